@@ -1,0 +1,95 @@
+"""`tokenmill bench throughput` (W1) and `tokenmill bench latency` (W2), through the offline engine."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+
+from tokenmill.bench.workloads import LATENCY_SEED, THROUGHPUT_SEED, random_prompts
+from tokenmill.engine.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+
+
+def _summary(name: str, values: list[float]) -> dict:
+    return {f"{name}_median": statistics.median(values), f"{name}_min": min(values), f"{name}_max": max(values)}
+
+
+def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, reps: int) -> dict:
+    prompts = random_prompts(num_prompts, input_len, THROUGHPUT_SEED)
+    llm.generate(prompts, _greedy(4), use_tqdm=False)  # warm-up (excluded)
+    walls = []
+    for _ in range(reps):
+        llm.engine.reset_prefix_cache()  # every rep computes its prompts, as the peers do
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, _greedy(output_len), use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    out_tokens = num_prompts * output_len
+    total_tokens = num_prompts * (input_len + output_len)
+    return {
+        "workload": "throughput",
+        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+        "wall_s": walls,
+        **_summary("output_tok_s", [out_tokens / w for w in walls]),
+        **_summary("total_tok_s", [total_tokens / w for w in walls]),
+        "sample_req0_first16": outputs[0].outputs[0].token_ids[:16],
+    }
+
+
+def latency(llm: LLM, input_len: int, output_len: int, reps: int) -> dict:
+    prompt = random_prompts(1, input_len, LATENCY_SEED)[0]
+    engine = llm.engine
+    engine_step_times = []
+    llm.generate([prompt], _greedy(4), use_tqdm=False)  # warm-up (excluded)
+    ttfts, decode_rates = [], []
+    for rep in range(reps):
+        engine.reset_prefix_cache()
+        engine.add_request(f"latency-{rep}", prompt, _greedy(output_len))
+        start = time.perf_counter()
+        token_times, tokens = [], []
+        while engine.has_unfinished_requests():
+            updates = engine.step()
+            now = time.perf_counter()
+            for u in updates:
+                tokens.extend(u.new_token_ids)
+                token_times.extend([now] * len(u.new_token_ids))
+        assert len(tokens) == output_len, len(tokens)
+        ttfts.append(token_times[0] - start)
+        decode_rates.append((output_len - 1) / (token_times[-1] - token_times[0]))
+        engine_step_times.append((token_times[-1] - token_times[0]) / (output_len - 1))
+    return {
+        "workload": "latency",
+        "input_len": input_len, "output_len": output_len,
+        **_summary("ttft_s", ttfts),
+        **_summary("decode_tok_s", decode_rates),
+        "sample_first16": tokens[:16],
+    }
+
+
+def run(args) -> dict:
+    engine_args = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.kv_cache_memory is not None:
+        engine_args["kv_cache_memory"] = args.kv_cache_memory
+    start = time.perf_counter()
+    llm = LLM(args.model, **engine_args)
+    startup = time.perf_counter() - start
+    if args.bench == "throughput":
+        result = throughput(llm, args.num_prompts, args.input_len, args.output_len, args.reps)
+    else:
+        result = latency(llm, args.input_len, args.output_len, args.reps)
+    result.update(
+        engine="tokenmill", model=llm.engine.model.source, startup_s=startup,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

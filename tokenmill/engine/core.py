@@ -1,0 +1,101 @@
+"""EngineCore: schedule → execute → update. No I/O in here; the process wrapper adds the sockets."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.compilation_cache import enable_compilation_cache
+from tokenmill.worker.memory import free_device_memory
+from tokenmill.worker.model_runner import ModelRunner, compute_dtype, kv_block_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def determine_num_blocks(config: EngineConfig, model: LoadedModel) -> int:
+    """KV blocks from the memory budget: `kv_cache_memory` bytes, or a fraction of free memory.
+
+    Never more than max_num_seqs requests at max_model_len could use at once (plus the null block).
+    """
+    cache, sched = config.cache, config.scheduler
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    block_bytes = kv_block_bytes(model, cache.block_size, compute_dtype(config.dtype))
+    budget = cache.kv_cache_memory
+    if budget is None:
+        budget = int(free_device_memory() * cache.kv_cache_memory_fraction)
+    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
+    num_blocks = min(budget // block_bytes, sched.max_num_seqs * blocks_per_seq + 1)
+    if num_blocks < blocks_per_seq + 1:
+        raise ValueError(
+            f"KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {cache.block_size} tokens, "
+            f"fewer than one request at max_model_len={sched.max_model_len} needs ({blocks_per_seq + 1}); "
+            "raise --kv-cache-memory or lower --max-model-len"
+        )
+    return int(num_blocks)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, enable_prefix_caching: bool = True):
+        enable_compilation_cache()
+        self.config = config
+        self.model = model if model is not None else load_model(config.model)
+        cfg = self.model.config
+        sched = config.scheduler
+        if sched.max_model_len > cfg.max_position_embeddings:
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                sched.max_model_len, cfg.max_position_embeddings,
+            )
+        num_blocks = determine_num_blocks(config, self.model)
+        block_size = config.cache.block_size
+        logger.info(
+            "KV cache: %d blocks = %d tokens; max concurrency %.1fx at max_model_len %d",
+            num_blocks, num_blocks * block_size, (num_blocks - 1) * block_size / sched.max_model_len,
+            sched.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, sched, config.cache, num_blocks, config.dtype)
+        self.runner.precompile()
+        self.scheduler = Scheduler(sched, config.cache, num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self._rng = random.Random(config.seed)
+        self.num_blocks = num_blocks
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError if it can never fit."""
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        eos = () if params.ignore_eos else self.model.config.eos_token_ids
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=tuple(eos),
+            arrival_time=time.time(),
+            seed=seed,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.finish_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self):
+        """One engine step; returns the per-request updates it produced."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        return self.scheduler.get_stats()

@@ -1,0 +1,137 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`, vLLM's names."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+_CACHE_ARGS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHED_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_ENGINE_ARGS = {"dtype", "seed"}
+
+
+def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:
+    """vLLM-style engine arguments → EngineConfig (and whether prefix caching is on)."""
+    prefix_caching = kwargs.pop("enable_prefix_caching", True)
+    if "num_gpu_blocks_override" in kwargs:
+        kwargs["num_blocks"] = kwargs.pop("num_gpu_blocks_override")
+    unknown = set(kwargs) - _CACHE_ARGS - _SCHED_ARGS - _ENGINE_ARGS
+    if unknown:
+        known = sorted(_CACHE_ARGS | _SCHED_ARGS | _ENGINE_ARGS | {"enable_prefix_caching"})
+        raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: {', '.join(known)}")
+    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in _CACHE_ARGS})
+    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _SCHED_ARGS})
+    engine = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS}
+    return EngineConfig(model=model, cache=cache, scheduler=sched, **engine), prefix_caching
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        config, prefix_caching = engine_config_from_kwargs(model, **engine_args)
+        self.engine = EngineCore(config, enable_prefix_caching=prefix_caching)
+        self.processor = Processor(self.engine.model, config.scheduler.max_model_len)
+        self.tokenizer = self.engine.model.tokenizer
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        # Validate everything before queueing anything: a bad prompt loses nothing.
+        inputs = []
+        for prompt, params in zip(prompts, sampling_params):
+            text, ids = self.processor.tokenize(prompt)
+            self.processor.validate(ids, params)
+            inputs.append((text, ids, params))
+        return self._run(inputs, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.processor.render_chat(conversation, add_generation_prompt, chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": self.processor.tokenize_chat(text)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, inputs, use_tqdm: bool) -> list[RequestOutput]:
+        outputs = OutputProcessor(self.tokenizer)
+        order: list[str] = []
+        children: dict[str, list[str]] = {}
+        parent_of: dict[str, str] = {}
+        for text, ids, params in inputs:
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            children[request_id] = []
+            for index in range(params.n):
+                # n samples are n requests sharing the prompt's cached blocks; seeded ones get seed + index
+                child_params = params
+                if params.n > 1:
+                    seed = None if params.seed is None else params.seed + index
+                    child_params = dataclasses.replace(params, n=1, seed=seed)
+                child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+                outputs.add_request(child_id, text, ids, child_params, index=index)
+                self.engine.add_request(child_id, ids, child_params)
+                children[request_id].append(child_id)
+                parent_of[child_id] = request_id
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 8)
+        try:
+            while outputs.has_unfinished():
+                updates = self.engine.step()
+                results, to_abort = outputs.process(updates)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for state, out in results:
+                    if out.finished:
+                        finished[state.request_id] = out
+                        if all(c in finished for c in children[parent_of[state.request_id]]):
+                            bar.update(1)
+        except BaseException:  # interrupted: leave the engine clean for the next call
+            unfinished = list(outputs.states)
+            for request_id in unfinished:
+                outputs.abort(request_id)
+            self.engine.abort_requests(unfinished)
+            raise
+        finally:
+            bar.close()
+        results = []
+        for request_id in order:
+            parts = [finished[c] for c in children[request_id]]
+            merged = parts[0]
+            if len(parts) > 1:
+                merged = dataclasses.replace(
+                    merged, request_id=request_id, outputs=[p.outputs[0] for p in parts]
+                )
+            results.append(merged)
+        return results

@@ -1,0 +1,72 @@
+"""Every TOKENMILL_* environment variable, in one place: type, default, allowed values.
+
+Read lazily (`envs.TOKENMILL_SKIP_PRECOMPILE`), validated with an error that names the variable
+and what it accepts; `freeze()` caches the values once the engine has started.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class _Var:
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    choices: tuple[str, ...] | None = None
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+
+
+_DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+
+VARIABLES: dict[str, _Var] = {
+    "TOKENMILL_SKIP_PRECOMPILE": _Var(_bool, False, "skip compiling every shape bucket at start-up"),
+    "TOKENMILL_CHECK_RECOMPILATION": _Var(_bool, False, "raise if anything compiles after warm-up"),
+    "TOKENMILL_COMPILATION_CACHE_DIR": _Var(
+        str, os.path.join(_DEFAULT_CACHE, "xla"), "JAX persistent compilation cache directory ('' disables it)"
+    ),
+    "TOKENMILL_LOGGING_LEVEL": _Var(
+        str.upper, "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    ),
+}
+
+_frozen: dict[str, Any] | None = None
+
+
+def read(name: str) -> Any:
+    if _frozen is not None and name in _frozen:
+        return _frozen[name]
+    var = VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    try:
+        value = var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"invalid value {raw!r} for {name}: {e}") from None
+    if var.choices is not None and value not in var.choices:
+        raise ValueError(f"invalid value {raw!r} for {name}; choices: {', '.join(var.choices)}")
+    return value
+
+
+def freeze() -> None:
+    """Cache every variable's value: called once the engine has started."""
+    global _frozen
+    _frozen = {name: read(name) for name in VARIABLES}
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return read(name)
+    raise AttributeError(name)

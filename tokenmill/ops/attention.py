@@ -1,0 +1,93 @@
+"""Paged attention over a ragged batch that mixes prefill chunks and decode tokens.
+
+The KV cache of a model is two arrays `[layers, num_blocks, block_size, kv_heads, head_dim]`.
+A step's batch is flattened: T tokens, each with its position, its cache slot
+(`block_id * block_size + offset`) and the index of the request it belongs to; each request has a
+row of block ids (its block table). New K/V are written to the cache first, then every token
+attends to its request's cached context up to its own position, so a prefill chunk sees the
+context earlier steps left in the cache.
+
+This is the plain `jnp` reference (the oracle and the fallback): it gathers each token's context
+from the cache. Faster paths must match it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Masked scores use a finite floor so that fully masked (padding) rows stay finite.
+_MASK_VALUE = -1e30
+# Tokens are processed in tiles of this many so the gathered context stays bounded in memory.
+_TOKEN_TILE = 256
+
+
+class AttentionMetadata(NamedTuple):
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T]; padding tokens hold an out-of-range slot (writes dropped)
+    token_request: jax.Array  # i32[T]: row of the token's request in block_tables
+    block_tables: jax.Array  # i32[R, max_blocks]
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's K/V ([T, kv_heads, head_dim]) into layer `layer` of the caches."""
+    block_size = k_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache = k_cache.at[layer, blocks, offsets].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, blocks, offsets].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: jax.Array | int | None = None,
+) -> jax.Array:
+    """q: [T, heads, head_dim] → [T, heads, head_dim].
+
+    Token t attends to the cached keys at positions p of its request with
+    `p <= positions[t]` and, with a sliding window W, `p > positions[t] - W`.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[3]
+    tile = _TOKEN_TILE if num_tokens > _TOKEN_TILE and num_tokens % _TOKEN_TILE == 0 else num_tokens
+
+    def attend(args):
+        q_t, pos_t, req_t = args
+        tables = md.block_tables[req_t]  # [tile, max_blocks]
+        k = k_cache[layer, tables]  # [tile, max_blocks, block_size, kv_heads, head_dim]
+        v = v_cache[layer, tables]
+        k = k.reshape(tile, -1, kv_heads, head_dim)
+        v = v.reshape(tile, -1, kv_heads, head_dim)
+        qg = q_t.reshape(tile, kv_heads, num_heads // kv_heads, head_dim)
+        scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
+        key_pos = jnp.arange(k.shape[1])[None, :]
+        visible = key_pos <= pos_t[:, None]
+        if sliding_window is not None:
+            visible &= key_pos > pos_t[:, None] - sliding_window
+        scores = jnp.where(visible[:, None, None, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("tkgc,tckd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.reshape(tile, num_heads, head_dim).astype(q.dtype)
+
+    if tile == num_tokens:
+        return attend((q, md.positions, md.token_request))
+    n = num_tokens // tile
+    tiled = jax.lax.map(
+        attend,
+        (
+            q.reshape(n, tile, num_heads, head_dim),
+            md.positions.reshape(n, tile),
+            md.token_request.reshape(n, tile),
+        ),
+    )
+    return tiled.reshape(num_tokens, num_heads, head_dim)

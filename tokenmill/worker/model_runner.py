@@ -1,0 +1,271 @@
+"""The model runner: persistent batch → padded device inputs → jitted forward + on-device sampling.
+
+Every step pads the number of scheduled tokens (and, tied to it, the number of request rows) and
+the width of the block tables up to short bucket lists, so a handful of shapes are compiled once
+(at start-up unless TOKENMILL_SKIP_PRECOMPILE=1) and reused; TOKENMILL_CHECK_RECOMPILATION=1 turns
+any later compilation into an error. Only sampled ids and requested logprobs come back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tokenmill import envs
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput
+from tokenmill.model.loader import LoadedModel
+from tokenmill.model.registry import get_model_module
+from tokenmill.ops.attention import AttentionMetadata
+from tokenmill.ops.sampler import compute_prompt_logprobs, sample
+from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.sampling_metadata import LOGPROB_BUCKETS, SAMPLER_MODES, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_SPEC = P(None, None, None, "model", None)  # KV heads over the "model" axis
+
+
+def compute_dtype(dtype: str = "auto"):
+    """float32 on CPUs (no native bf16: bf16 matmuls measured ~100x slower), bfloat16 on GPU/TPU."""
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(dtype)
+
+
+def single_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+def kv_block_bytes(model: LoadedModel, block_size: int, dtype) -> int:
+    cfg = model.config
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LoadedModel,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        dtype: str = "auto",
+        mesh: Mesh | None = None,
+    ):
+        self.cfg = model.config
+        self.module = get_model_module(self.cfg)
+        self.mesh = mesh or single_device_mesh()
+        self.dtype = compute_dtype(dtype)
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens, self.max_num_seqs)
+        self.block_buckets = block_buckets(max_blocks_per_req)
+        self.batch = InputBatch(self.max_num_seqs, self.max_model_len, max_blocks_per_req)
+
+        specs = self.module.param_specs(self.cfg)
+        self.params = jax.tree.map(
+            lambda x, spec: jax.device_put(np.asarray(x, dtype=self.dtype), NamedSharding(self.mesh, spec)),
+            model.params,
+            specs,
+        )
+        cache_shape = (self.cfg.num_layers, num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
+        self.k_cache = jax.device_put(jnp.zeros(cache_shape, self.dtype), cache_sharding)
+        self.v_cache = jax.device_put(jnp.zeros(cache_shape, self.dtype), cache_sharding)
+
+        cfg, module = self.cfg, self.module
+
+        def step(params, k_cache, v_cache, input_ids, md, logits_indices):
+            hidden, k_cache, v_cache = module.forward(params, cfg, k_cache, v_cache, input_ids, md)
+            logits = module.compute_logits(params, cfg, hidden[logits_indices])
+            return logits, hidden, k_cache, v_cache
+
+        def prompt_logprobs(params, hidden, targets, num_logprobs):
+            return compute_prompt_logprobs(module.compute_logits(params, cfg, hidden), targets, num_logprobs)
+
+        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+        self._prompt_logprobs = jax.jit(prompt_logprobs, static_argnames=("num_logprobs",))
+        self._compiled_sizes: tuple[int, ...] | None = None
+
+    # ---- compilation -------------------------------------------------------------------------
+
+    def _cache_sizes(self) -> tuple[int, ...]:
+        return tuple(f._cache_size() for f in (self._step, self._sample, self._prompt_logprobs))
+
+    def precompile(self) -> None:
+        """Compile every bucket now, so that serving never stops to compile."""
+        if envs.TOKENMILL_SKIP_PRECOMPILE:
+            logger.info("skipping precompilation (TOKENMILL_SKIP_PRECOMPILE=1)")
+        else:
+            start = time.perf_counter()
+            for num_tokens in self.token_buckets:
+                rows = self._rows_for(num_tokens)
+                for width in self.block_buckets:
+                    inputs = self._dummy_inputs(num_tokens, rows, width)
+                    logits, hidden, self.k_cache, self.v_cache = self._step(
+                        self.params, self.k_cache, self.v_cache, *inputs
+                    )
+                for mode in SAMPLER_MODES:
+                    for num_logprobs in LOGPROB_BUCKETS:
+                        md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
+                        self._sample(logits, md, mode=mode, num_logprobs=num_logprobs)
+                for num_logprobs in LOGPROB_BUCKETS[1:]:
+                    targets = jnp.zeros(num_tokens, jnp.int32)
+                    self._prompt_logprobs(self.params, hidden, targets, num_logprobs=num_logprobs)
+            jax.block_until_ready(self.k_cache)
+            logger.info(
+                "compiled %d token buckets x %d context buckets in %.1f s",
+                len(self.token_buckets), len(self.block_buckets), time.perf_counter() - start,
+            )
+        self._compiled_sizes = self._cache_sizes()
+
+    def _check_no_recompilation(self) -> None:
+        if self._compiled_sizes is not None and envs.TOKENMILL_CHECK_RECOMPILATION:
+            sizes = self._cache_sizes()
+            if sizes != self._compiled_sizes:
+                raise RuntimeError(
+                    f"recompilation after warm-up (cache sizes {self._compiled_sizes} -> {sizes}); "
+                    "a shape escaped the buckets"
+                )
+
+    def _rows_for(self, num_tokens: int) -> int:
+        """Request rows are tied to the token bucket, so each token bucket is one compiled shape."""
+        return min(num_tokens, pow2_at_least(self.max_num_seqs))
+
+    def _dummy_inputs(self, num_tokens: int, rows: int, width: int):
+        oob = self.num_blocks * self.block_size  # an out-of-range slot: the write is dropped
+        md = AttentionMetadata(
+            positions=np.zeros(num_tokens, np.int32),
+            slot_mapping=np.full(num_tokens, oob, np.int32),
+            token_request=np.zeros(num_tokens, np.int32),
+            block_tables=np.zeros((rows, width), np.int32),
+        )
+        return np.zeros(num_tokens, np.int32), md, np.zeros(rows, np.int32)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.batch.remove(req_id)
+        for new in so.new_requests:
+            self.batch.add(new)
+        for cached in so.cached_requests:
+            if cached.new_block_ids:
+                self.batch.append_blocks(cached.req_id, cached.new_block_ids)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_batch(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput(sampled_token_ids={})
+        b = self.batch
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.array([b.row_of[r] for r in req_ids], np.int32)
+        counts = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
+        total = int(counts.sum())
+        num_tokens = pick_bucket(self.token_buckets, total)
+        num_rows = self._rows_for(num_tokens)
+        if len(req_ids) > num_rows:
+            raise RuntimeError(f"{len(req_ids)} requests exceed the {num_rows} rows of bucket {num_tokens}")
+
+        starts = b.num_computed[rows]
+        ends = starts + counts
+        token_request = np.repeat(np.arange(len(req_ids), dtype=np.int32), counts)
+        positions = (np.arange(total, dtype=np.int32) - np.repeat(np.cumsum(counts) - counts, counts)) + np.repeat(
+            starts, counts
+        )
+        token_rows = rows[token_request]
+        input_ids = b.token_ids[token_rows, positions]
+        slots = b.block_table[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        width = pick_bucket(self.block_buckets, int(-(-ends.max() // self.block_size)))
+
+        pad = num_tokens - total
+        oob = self.num_blocks * self.block_size
+        md = AttentionMetadata(
+            positions=np.pad(positions, (0, pad)),
+            slot_mapping=np.pad(slots.astype(np.int32), (0, pad), constant_values=oob),
+            token_request=np.pad(token_request, (0, pad)),
+            block_tables=np.pad(b.block_table[rows, :width], ((0, num_rows - len(req_ids)), (0, 0))),
+        )
+        logits_indices = np.pad(np.cumsum(counts) - 1, (0, num_rows - len(req_ids))).astype(np.int32)
+        logits, hidden, self.k_cache, self.v_cache = self._step(
+            self.params, self.k_cache, self.v_cache, np.pad(input_ids, (0, pad)), md, logits_indices
+        )
+
+        # Requests whose known tokens are all computed after this step sample their next token.
+        samples = ends >= b.num_tokens[rows]
+        params = [b.params[r] for r in rows]
+        sampling_md, mode, num_logprobs = build_sampling_metadata(
+            params,
+            [int(b.num_tokens[r] - b.num_prompt_tokens[r]) for r in rows],
+            [int(b.seeds[r]) for r in rows],
+            [b.prompt_ids(r) for r in rows],
+            [b.output_ids(r) for r in rows],
+            num_rows,
+            self.cfg.vocab_size,
+        )
+        out = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
+        prompt_lp = self._prompt_logprobs_for(req_ids, rows, starts, counts, hidden, num_tokens)
+        out = jax.device_get(out)
+        self._check_no_recompilation()
+
+        result = ModelRunnerOutput(sampled_token_ids={})
+        b.num_computed[rows] = ends
+        for i, (req_id, row) in enumerate(zip(req_ids, rows)):
+            if not samples[i]:
+                continue
+            token = int(out.sampled[i])
+            b.append_token(row, token)
+            result.sampled_token_ids[req_id] = token
+            wanted = params[i].logprobs
+            if wanted is not None:
+                result.logprobs[req_id] = Logprobs(
+                    token_ids=[int(t) for t in out.logprob_ids[i, : wanted + 1]],
+                    logprobs=[float(x) for x in out.logprobs[i, : wanted + 1]],
+                    rank=int(out.sampled_rank[i]),
+                )
+        result.prompt_logprobs = prompt_lp
+        return result
+
+    def _prompt_logprobs_for(self, req_ids, rows, starts, counts, hidden, num_tokens) -> dict[str, list[Logprobs]]:
+        """Logprobs of the prompt tokens computed this step, for requests that asked for them."""
+        b = self.batch
+        wanted = {}
+        offset = 0
+        targets = np.zeros(num_tokens, np.int32)
+        for req_id, row, start, count in zip(req_ids, rows, starts, counts):
+            n_prompt = b.num_prompt_tokens[row]
+            p = b.params[row]
+            # position `pos` predicts token pos + 1; only positions that predict a prompt token count
+            last = min(start + count, n_prompt - 1)
+            if p.prompt_logprobs is not None and start < last:
+                n = last - start
+                targets[offset : offset + n] = b.token_ids[row, start + 1 : last + 1]
+                wanted[req_id] = (offset, n, p.prompt_logprobs)
+            offset += count
+        if not wanted:
+            return {}
+        k = max(w[2] for w in wanted.values())
+        k = next(x for x in LOGPROB_BUCKETS[1:] if x >= k)
+        lp, ids, ranks = jax.device_get(self._prompt_logprobs(self.params, hidden, targets, num_logprobs=k))
+        result = {}
+        for req_id, (offset, n, top) in wanted.items():
+            result[req_id] = [
+                Logprobs(
+                    token_ids=[int(t) for t in ids[i, : top + 1]],
+                    logprobs=[float(x) for x in lp[i, : top + 1]],
+                    rank=int(ranks[i]),
+                )
+                for i in range(offset, offset + n)
+            ]
+        return result
