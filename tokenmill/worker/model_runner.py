@@ -26,11 +26,13 @@ from tokenmill.ops.attention import AttentionMetadata
 from tokenmill.ops.sampler import compute_prompt_logprobs, sample
 from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.sampling_metadata import LOGPROB_BUCKETS, SAMPLER_MODES, build_sampling_metadata
+from tokenmill.worker.sampling_metadata import build_sampling_metadata, round_num_logprobs
 
 logger = logging.getLogger(__name__)
 
 KV_CACHE_SPEC = P(None, None, None, "model", None)  # KV heads over the "model" axis
+# Sampler variants compiled at start-up; penalties, logit bias and logprobs compile on first use.
+PRECOMPILED_SAMPLER_MODES = ("greedy", "random")
 
 
 def compute_dtype(dtype: str = "auto"):
@@ -116,13 +118,9 @@ class ModelRunner:
                     logits, hidden, self.k_cache, self.v_cache = self._step(
                         self.params, self.k_cache, self.v_cache, *inputs
                     )
-                for mode in SAMPLER_MODES:
-                    for num_logprobs in LOGPROB_BUCKETS:
-                        md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
-                        self._sample(logits, md, mode=mode, num_logprobs=num_logprobs)
-                for num_logprobs in LOGPROB_BUCKETS[1:]:
-                    targets = jnp.zeros(num_tokens, jnp.int32)
-                    self._prompt_logprobs(self.params, hidden, targets, num_logprobs=num_logprobs)
+                md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
+                for mode in PRECOMPILED_SAMPLER_MODES:
+                    self._sample(logits, md, mode=mode, num_logprobs=None)
             jax.block_until_ready(self.k_cache)
             logger.info(
                 "compiled %d token buckets x %d context buckets in %.1f s",
@@ -213,6 +211,7 @@ class ModelRunner:
             [b.output_ids(r) for r in rows],
             num_rows,
             self.cfg.vocab_size,
+            eos_token_ids=self.cfg.eos_token_ids,
         )
         out = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
         prompt_lp = self._prompt_logprobs_for(req_ids, rows, starts, counts, hidden, num_tokens)
@@ -255,8 +254,7 @@ class ModelRunner:
             offset += count
         if not wanted:
             return {}
-        k = max(w[2] for w in wanted.values())
-        k = next(x for x in LOGPROB_BUCKETS[1:] if x >= k)
+        k = round_num_logprobs(max(w[2] for w in wanted.values()))
         lp, ids, ranks = jax.device_get(self._prompt_logprobs(self.params, hidden, targets, num_logprobs=k))
         result = {}
         for req_id, (offset, n, top) in wanted.items():
