@@ -98,12 +98,29 @@ class ModelRunner:
         self._step = jax.jit(step, donate_argnums=(1, 2))
         self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
         self._prompt_logprobs = jax.jit(prompt_logprobs, static_argnames=("num_logprobs",))
-        self._compiled_sizes: tuple[int, ...] | None = None
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._warmed_up = False
+        self._sampler_compiled = 0
 
     # ---- compilation -------------------------------------------------------------------------
 
-    def _cache_sizes(self) -> tuple[int, ...]:
-        return tuple(f._cache_size() for f in (self._step, self._sample, self._prompt_logprobs))
+    def _executable(self, num_tokens: int, width: int):
+        """The compiled step for one (token bucket, block-table width) shape, compiled ahead of time
+        (lowered and compiled without running, so warm-up costs compile time only)."""
+        exe = self._executables.get((num_tokens, width))
+        if exe is None:
+            if self._warmed_up and envs.TOKENMILL_CHECK_RECOMPILATION:
+                raise RuntimeError(
+                    f"recompilation after warm-up: step shape (tokens={num_tokens}, blocks={width}) "
+                    "escaped the precompiled buckets"
+                )
+            inputs = self._dummy_inputs(num_tokens, self._rows_for(num_tokens), width)
+            exe = self._step.lower(self.params, self.k_cache, self.v_cache, *inputs).compile()
+            self._executables[(num_tokens, width)] = exe
+        return exe
+
+    def _sampler_cache_size(self) -> int:
+        return self._sample._cache_size() + self._prompt_logprobs._cache_size()
 
     def precompile(self) -> None:
         """Compile every bucket now, so that serving never stops to compile."""
@@ -114,28 +131,22 @@ class ModelRunner:
             for num_tokens in self.token_buckets:
                 rows = self._rows_for(num_tokens)
                 for width in self.block_buckets:
-                    inputs = self._dummy_inputs(num_tokens, rows, width)
-                    logits, hidden, self.k_cache, self.v_cache = self._step(
-                        self.params, self.k_cache, self.v_cache, *inputs
-                    )
+                    self._executable(num_tokens, width)
+                logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
                 md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
                 for mode in PRECOMPILED_SAMPLER_MODES:
                     self._sample(logits, md, mode=mode, num_logprobs=None)
-            jax.block_until_ready(self.k_cache)
             logger.info(
                 "compiled %d token buckets x %d context buckets in %.1f s",
                 len(self.token_buckets), len(self.block_buckets), time.perf_counter() - start,
             )
-        self._compiled_sizes = self._cache_sizes()
+        self._warmed_up = True
+        self._sampler_compiled = self._sampler_cache_size()
 
     def _check_no_recompilation(self) -> None:
-        if self._compiled_sizes is not None and envs.TOKENMILL_CHECK_RECOMPILATION:
-            sizes = self._cache_sizes()
-            if sizes != self._compiled_sizes:
-                raise RuntimeError(
-                    f"recompilation after warm-up (cache sizes {self._compiled_sizes} -> {sizes}); "
-                    "a shape escaped the buckets"
-                )
+        if self._warmed_up and envs.TOKENMILL_CHECK_RECOMPILATION:
+            if self._sampler_cache_size() != self._sampler_compiled:
+                raise RuntimeError("recompilation after warm-up: a sampler variant escaped the precompiled ones")
 
     def _rows_for(self, num_tokens: int) -> int:
         """Request rows are tied to the token bucket, so each token bucket is one compiled shape."""
@@ -196,7 +207,8 @@ class ModelRunner:
             block_tables=np.pad(b.block_table[rows, :width], ((0, num_rows - len(req_ids)), (0, 0))),
         )
         logits_indices = np.pad(np.cumsum(counts) - 1, (0, num_rows - len(req_ids))).astype(np.int32)
-        logits, hidden, self.k_cache, self.v_cache = self._step(
+        step = self._executable(num_tokens, width)
+        logits, hidden, self.k_cache, self.v_cache = step(
             self.params, self.k_cache, self.v_cache, np.pad(input_ids, (0, pad)), md, logits_indices
         )
 
