@@ -459,7 +459,9 @@ def test_max_model_len_caps_even_before_min_tokens():
 
 
 def test_schedule_runs_ahead_of_output():
-    """A second schedule() before the first step's output: prefill chunks go on, decodes wait."""
+    """schedule() before the previous step's output is back: prefill chunks go on, and a request
+    whose sampled token is still in flight decodes at that position (a placeholder the runner
+    fills on device), but never past its max_tokens."""
     sched = make_sched(budget=8)
     runner = FakeRunner(4, 64)
     sched.add_request(make_req("a", range(20), max_tokens=3))
@@ -468,13 +470,18 @@ def test_schedule_runs_ahead_of_output():
     assert so1.num_scheduled_tokens == {"a": 8} and so2.num_scheduled_tokens == {"a": 8}
     sched.update_from_output(so1, runner(so1))
     sched.update_from_output(so2, runner(so2))
-    so3 = sched.schedule()
-    so4 = sched.schedule()  # the last chunk is in flight: nothing to do until its token is back
-    assert so3.num_scheduled_tokens == {"a": 4} and so4.num_scheduled_tokens == {}
+    so3 = sched.schedule()  # the last prompt chunk: samples output token 1
+    so4 = sched.schedule()  # decodes at token 1's position while it is in flight: samples token 2
+    assert so3.num_scheduled_tokens == {"a": 4} and so4.num_scheduled_tokens == {"a": 1}
     ups = sched.update_from_output(so3, runner(so3))
     assert len(ups) == 1 and len(ups[0].new_token_ids) == 1
+    so5 = sched.schedule()  # samples token 3, the last allowed
+    so6 = sched.schedule()  # max_tokens reached counting the steps in flight: nothing
+    assert so5.num_scheduled_tokens == {"a": 1} and so6.num_scheduled_tokens == {}
     sched.update_from_output(so4, runner(so4))
-    assert sched.schedule().num_scheduled_tokens == {"a": 1}
+    ups = sched.update_from_output(so5, runner(so5))
+    assert ups[0].finished and ups[0].finish_reason == "length"
+    assert not sched.has_unfinished_requests()
 
 
 def test_priority_policy():

@@ -67,6 +67,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # tokens being sampled by steps in flight, not yet appended (async scheduling): the next
+        # step may already compute at their positions, the runner filling them in on device
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token id that finished it, if one did

@@ -211,8 +211,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:  # waiting for its sampled token (a step in flight)
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if n <= 0 or self._at_length_limit(req):  # its last token is being sampled already
                 i += 1
                 continue
             while True:
@@ -261,9 +261,13 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
 
-        # 3. the scheduled tokens count as computed from now on
+        # 3. the scheduled tokens count as computed from now on; a request whose every known
+        # token (placeholders included) is then computed samples one more: a new placeholder
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1
 
         out = SchedulerOutput(
             new_requests=new_reqs,
@@ -283,6 +287,13 @@ class Scheduler:
             self.running.insert(j, req)
         else:
             self.running.append(req)
+
+    def _at_length_limit(self, req: Request) -> bool:
+        """Steps in flight will already produce the request's last allowed token."""
+        pending = req.num_output_tokens + req.num_output_placeholders
+        return req.num_output_placeholders > 0 and (
+            pending >= req.max_tokens or req.num_tokens + req.num_output_placeholders >= self.max_model_len
+        )
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks, keep the output tokens, back to the waiting head."""
@@ -308,6 +319,7 @@ class Scheduler:
             status = None
             token = sampled.get(rid)
             if token is not None:
+                req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
                 req.append_output_token(token)
                 new_tokens.append(token)
                 status = self._check_stop(req)

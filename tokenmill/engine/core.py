@@ -65,6 +65,7 @@ class EngineCore:
         self.scheduler = Scheduler(sched, config.cache, num_blocks, enable_prefix_caching=enable_prefix_caching)
         self._rng = random.Random(config.seed)
         self.num_blocks = num_blocks
+        self._in_flight = None  # (SchedulerOutput, StepInFlight) of step_with_batch_queue
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""
@@ -84,7 +85,7 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self):
         """One engine step; returns the per-request updates it produced."""
@@ -93,6 +94,33 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def step_with_batch_queue(self):
+        """Async scheduling: schedule and launch step N+1, then collect step N, so the host work of
+        one step overlaps the device work of the other. Outputs equal `step()`'s: a request whose
+        token is still in flight decodes at that position, fed from the device.
+
+        Requests with penalties need their full output history on the host, so while one runs the
+        engine falls back to one step at a time.
+        """
+        updates = []
+        if self._in_flight is not None and any(r.sampling_params.uses_penalties for r in self.scheduler.running):
+            updates += self._collect()
+        handle = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids:
+                handle = (scheduler_output, self.runner.launch(scheduler_output))
+        updates += self._collect()
+        self._in_flight = handle
+        return updates
+
+    def _collect(self):
+        if self._in_flight is None:
+            return []
+        scheduler_output, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, self.runner.finish(launched))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

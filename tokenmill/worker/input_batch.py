@@ -19,6 +19,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_computed = np.zeros(max_num_seqs, np.int32)
+        self.num_pending = np.zeros(max_num_seqs, np.int32)  # tokens being sampled by launched steps
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.seeds = np.zeros(max_num_seqs, np.int64)
@@ -40,6 +41,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed[row] = req.num_computed_tokens
+        self.num_pending[row] = 0
         self.num_blocks[row] = 0
         self.append_blocks(req.req_id, req.block_ids)
         self.seeds[row] = req.seed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from tokenmill.core.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.registry import get_model_module
 from tokenmill.ops.attention import AttentionMetadata
-from tokenmill.ops.sampler import compute_prompt_logprobs, sample
+from tokenmill.ops.sampler import SamplerOutput, compute_prompt_logprobs, sample
 from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampling_metadata import build_sampling_metadata, round_num_logprobs
@@ -49,6 +50,20 @@ def single_device_mesh() -> Mesh:
 def kv_block_bytes(model: LoadedModel, block_size: int, dtype) -> int:
     cfg = model.config
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: what is needed to collect its results."""
+
+    req_ids: list[str]
+    rows: np.ndarray
+    samples: np.ndarray  # per request: does it sample a token this step
+    params: list
+    sampler_out: SamplerOutput | None  # device arrays until fetched
+    prompt_logprobs: dict
+    index_of: dict[str, int]  # request id → its row in the sampler output (sampling requests)
+    sampled_padded: jax.Array | None = None
 
 
 class ModelRunner:
@@ -87,7 +102,10 @@ class ModelRunner:
 
         cfg, module = self.cfg, self.module
 
-        def step(params, k_cache, v_cache, input_ids, md, logits_indices):
+        def step(params, k_cache, v_cache, input_ids, md, logits_indices, prev_sampled, placeholder_src):
+            # tokens still being sampled by the previous step come from its device output
+            prev = jnp.take(prev_sampled, jnp.maximum(placeholder_src, 0))
+            input_ids = jnp.where(placeholder_src >= 0, prev, input_ids)
             hidden, k_cache, v_cache = module.forward(params, cfg, k_cache, v_cache, input_ids, md)
             logits = module.compute_logits(params, cfg, hidden[logits_indices])
             return logits, hidden, k_cache, v_cache
@@ -95,8 +113,18 @@ class ModelRunner:
         def prompt_logprobs(params, hidden, targets, num_logprobs):
             return compute_prompt_logprobs(module.compute_logits(params, cfg, hidden), targets, num_logprobs)
 
+        max_rows = pow2_at_least(self.max_num_seqs)
+
+        def sample_step(logits, md, mode, num_logprobs):
+            out = sample(logits, md, mode=mode, num_logprobs=num_logprobs)
+            # a fixed-size copy of the sampled ids, so the next step's input (placeholder tokens)
+            # does not multiply the compiled step shapes by the row buckets
+            return out, jnp.pad(out.sampled, (0, max_rows - out.sampled.shape[0]))
+
         self._step = jax.jit(step, donate_argnums=(1, 2))
-        self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+        self._sample = jax.jit(sample_step, static_argnames=("mode", "num_logprobs"))
+        self._no_prev_sampled = jnp.zeros(max_rows, jnp.int32)
+        self._last_launched: StepInFlight | None = None
         self._prompt_logprobs = jax.jit(prompt_logprobs, static_argnames=("num_logprobs",))
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._warmed_up = False
@@ -160,7 +188,8 @@ class ModelRunner:
             token_request=np.zeros(num_tokens, np.int32),
             block_tables=np.zeros((rows, width), np.int32),
         )
-        return np.zeros(num_tokens, np.int32), md, np.zeros(rows, np.int32)
+        return (np.zeros(num_tokens, np.int32), md, np.zeros(rows, np.int32), self._no_prev_sampled,
+                np.full(num_tokens, -1, np.int32))
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -174,11 +203,19 @@ class ModelRunner:
                 self.batch.append_blocks(cached.req_id, cached.new_block_ids)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish(self.launch(so))
+
+    def launch(self, so: SchedulerOutput) -> StepInFlight:
+        """Prepare and dispatch one step without waiting for it (JAX dispatches asynchronously).
+
+        A scheduled position whose token is still being sampled by the previous, unfinished step
+        (async scheduling) takes that token from the previous step's device output.
+        """
         self._update_batch(so)
-        if not so.num_scheduled_tokens:
-            return ModelRunnerOutput(sampled_token_ids={})
         b = self.batch
         req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return StepInFlight(req_ids, np.zeros(0, np.int32), np.zeros(0, bool), [], None, {}, {})
         rows = np.array([b.row_of[r] for r in req_ids], np.int32)
         counts = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         total = int(counts.sum())
@@ -194,11 +231,26 @@ class ModelRunner:
             starts, counts
         )
         token_rows = rows[token_request]
-        input_ids = b.token_ids[token_rows, positions]
+        input_ids = b.token_ids[token_rows, np.minimum(positions, self.max_model_len - 1)]
         slots = b.block_table[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         width = pick_bucket(self.block_buckets, int(-(-ends.max() // self.block_size)))
 
+        # positions past the host-known tokens: tokens the previous step is sampling right now
         pad = num_tokens - total
+        placeholder_src = np.full(num_tokens, -1, np.int32)
+        pending = positions >= b.num_tokens[token_rows]
+        prev_sampled = self._no_prev_sampled
+        if pending.any():
+            prev = self._last_launched
+            if prev is None or prev.sampled_padded is None:
+                raise RuntimeError("a placeholder token was scheduled but no step is in flight")
+            for t in np.flatnonzero(pending):
+                req_id = req_ids[token_request[t]]
+                if positions[t] != b.num_tokens[token_rows[t]] or req_id not in prev.index_of:
+                    raise RuntimeError(f"request {req_id!r}: position {positions[t]} is not the token in flight")
+                placeholder_src[t] = prev.index_of[req_id]
+            prev_sampled = prev.sampled_padded
+
         oob = self.num_blocks * self.block_size
         md = AttentionMetadata(
             positions=np.pad(positions, (0, pad)),
@@ -209,47 +261,67 @@ class ModelRunner:
         logits_indices = np.pad(np.cumsum(counts) - 1, (0, num_rows - len(req_ids))).astype(np.int32)
         step = self._executable(num_tokens, width)
         logits, hidden, self.k_cache, self.v_cache = step(
-            self.params, self.k_cache, self.v_cache, np.pad(input_ids, (0, pad)), md, logits_indices
+            self.params, self.k_cache, self.v_cache, np.pad(input_ids, (0, pad)), md, logits_indices,
+            prev_sampled, placeholder_src,
         )
 
-        # Requests whose known tokens are all computed after this step sample their next token.
-        samples = ends >= b.num_tokens[rows]
+        # Requests whose known tokens (in flight included) are all computed after this step sample.
+        in_flight = b.num_pending[rows]
+        samples = ends >= b.num_tokens[rows] + in_flight
         params = [b.params[r] for r in rows]
         sampling_md, mode, num_logprobs = build_sampling_metadata(
             params,
-            [int(b.num_tokens[r] - b.num_prompt_tokens[r]) for r in rows],
+            [int(b.num_tokens[r] - b.num_prompt_tokens[r] + b.num_pending[r]) for r in rows],
             [int(b.seeds[r]) for r in rows],
             [b.prompt_ids(r) for r in rows],
-            [b.output_ids(r) for r in rows],
+            [np.concatenate([b.output_ids(r), np.full(b.num_pending[r], -1)]) for r in rows],
             num_rows,
             self.cfg.vocab_size,
             eos_token_ids=self.cfg.eos_token_ids,
         )
-        out = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
+        sampler_out, sampled_padded = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
         prompt_lp = self._prompt_logprobs_for(req_ids, rows, starts, counts, hidden, num_tokens)
-        out = jax.device_get(out)
-        self._check_no_recompilation()
-
-        result = ModelRunnerOutput(sampled_token_ids={})
         b.num_computed[rows] = ends
-        for i, (req_id, row) in enumerate(zip(req_ids, rows)):
-            if not samples[i]:
+        b.num_pending[rows[samples]] += 1
+        handle = StepInFlight(
+            req_ids, rows, samples, params, sampler_out, prompt_lp,
+            {r: i for i, r in enumerate(req_ids) if samples[i]}, sampled_padded,
+        )
+        self._last_launched = handle
+        return handle
+
+    def finish(self, handle: StepInFlight) -> ModelRunnerOutput:
+        """Wait for a launched step; append its tokens to the persistent batch; report them."""
+        result = ModelRunnerOutput(sampled_token_ids={})
+        if handle.sampler_out is None:
+            return result
+        out = jax.device_get(handle.sampler_out)
+        prompt_lp = jax.device_get(handle.prompt_logprobs)
+        self._check_no_recompilation()
+        b = self.batch
+        for i, (req_id, row) in enumerate(zip(handle.req_ids, handle.rows)):
+            if not handle.samples[i]:
                 continue
             token = int(out.sampled[i])
-            b.append_token(row, token)
             result.sampled_token_ids[req_id] = token
-            wanted = params[i].logprobs
+            if b.row_of.get(req_id) == row:  # still held (not finished or preempted meanwhile)
+                b.num_pending[row] -= 1
+                b.append_token(row, token)
+            wanted = handle.params[i].logprobs
             if wanted is not None:
                 result.logprobs[req_id] = Logprobs(
                     token_ids=[int(t) for t in out.logprob_ids[i, : wanted + 1]],
                     logprobs=[float(x) for x in out.logprobs[i, : wanted + 1]],
                     rank=int(out.sampled_rank[i]),
                 )
-        result.prompt_logprobs = prompt_lp
+        result.prompt_logprobs = self._convert_prompt_logprobs(prompt_lp)
+        if self._last_launched is handle:
+            self._last_launched = None
         return result
 
-    def _prompt_logprobs_for(self, req_ids, rows, starts, counts, hidden, num_tokens) -> dict[str, list[Logprobs]]:
-        """Logprobs of the prompt tokens computed this step, for requests that asked for them."""
+    def _prompt_logprobs_for(self, req_ids, rows, starts, counts, hidden, num_tokens) -> dict:
+        """Dispatch the logprobs of the prompt tokens computed this step, for requests that asked:
+        request id → (device arrays, first row, number of positions, top-N)."""
         b = self.batch
         wanted = {}
         offset = 0
@@ -267,9 +339,13 @@ class ModelRunner:
         if not wanted:
             return {}
         k = round_num_logprobs(max(w[2] for w in wanted.values()))
-        lp, ids, ranks = jax.device_get(self._prompt_logprobs(self.params, hidden, targets, num_logprobs=k))
+        arrays = self._prompt_logprobs(self.params, hidden, targets, num_logprobs=k)
+        return {req_id: (arrays, *w) for req_id, w in wanted.items()}
+
+    @staticmethod
+    def _convert_prompt_logprobs(fetched: dict) -> dict[str, list[Logprobs]]:
         result = {}
-        for req_id, (offset, n, top) in wanted.items():
+        for req_id, ((lp, ids, ranks), offset, n, top) in fetched.items():
             result[req_id] = [
                 Logprobs(
                     token_ids=[int(t) for t in ids[i, : top + 1]],
