@@ -149,6 +149,8 @@ class EngineConfig:
     model: str | None = None  # path (HF directory or .gguf file); None = the embedded default
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on GPU/TPU
     seed: int = 0
+    # launch step N+1 before collecting step N (EngineCore.step_with_batch_queue)
+    async_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -12,12 +12,13 @@ from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.model.loader import LoadedModel
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 _CACHE_ARGS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_ARGS = {"dtype", "seed"}
+_ENGINE_ARGS = {"dtype", "seed", "async_scheduling"}
 
 
 def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:
@@ -36,10 +37,14 @@ def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
-        config, prefix_caching = engine_config_from_kwargs(model, **engine_args)
-        self.engine = EngineCore(config, enable_prefix_caching=prefix_caching)
+    def __init__(self, model: str | LoadedModel | None = None, **engine_args):
+        """`model`: an HF directory, a .gguf file, None for the embedded default, or an already
+        loaded model (to build several engines over one set of weights)."""
+        loaded = model if isinstance(model, LoadedModel) else None
+        config, prefix_caching = engine_config_from_kwargs(loaded.source if loaded else model, **engine_args)
+        self.engine = EngineCore(config, model=loaded, enable_prefix_caching=prefix_caching)
         self.processor = Processor(self.engine.model, config.scheduler.max_model_len)
+        self._step = self.engine.step_with_batch_queue if config.async_scheduling else self.engine.step
         self.tokenizer = self.engine.model.tokenizer
         self._ids = itertools.count()
 
@@ -108,7 +113,7 @@ class LLM:
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 8)
         try:
             while outputs.has_unfinished():
-                updates = self.engine.step()
+                updates = self._step()
                 results, to_abort = outputs.process(updates)
                 if to_abort:
                     self.engine.abort_requests(to_abort)
