@@ -1,0 +1,100 @@
+"""The engine end to end on the real SmolLM2-135M-Instruct: scheduling never changes greedy output."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.loader import load_model
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain English. "
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "owls", "glass", "jazz"]
+PROMPTS = [SYSTEM + f"Question {i}: tell me one fact about {TOPICS[i % 8]}." + " Think." * (i % 5)
+           for i in range(64)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=1200)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return load_model(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2, **ENGINE)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Greedy tokens of a few of the prompts, each run alone."""
+    picks = [0, 9, 42, 63]
+    return picks, {i: token_ids(llm.generate([PROMPTS[i]], GREEDY, use_tqdm=False))[0] for i in picks}
+
+
+def check(outputs, alone):
+    picks, expected = alone
+    for i in picks:
+        assert outputs[i] == expected[i], f"prompt {i}"
+
+
+def test_alone_equals_inside_a_batch_of_64_and_warm_prefix_hits(llm, alone):
+    llm.engine.reset_prefix_cache()
+    cold = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    check(cold, alone)
+    hits_before = llm.engine.get_stats().prefix_cache_hits
+    warm = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert llm.engine.get_stats().prefix_cache_hits > hits_before
+    assert warm == cold
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("prefix caching off", {"enable_prefix_caching": False}),
+        ("tiny token budget: chunked prefill", {"max_num_batched_tokens": 32}),
+        ("KV cache small enough to preempt", {"num_blocks": 40}),
+        ("one step at a time (no async scheduling)", {"async_scheduling": False}),
+    ],
+)
+def test_scheduling_does_not_change_greedy_output(smollm2, alone, name, overrides):
+    engine = LLM(smollm2, **{**ENGINE, **overrides})
+    outputs = token_ids(engine.generate(PROMPTS[:16] + PROMPTS[40:], GREEDY, use_tqdm=False))
+    picks, expected = alone
+    by_index = dict(zip(list(range(16)) + list(range(40, 64)), outputs))
+    for i in picks:
+        assert by_index[i] == expected[i], f"{name}: prompt {i}"
+    if "preempt" in name:
+        assert engine.engine.get_stats().num_preemptions > 0
+
+
+def test_chat_uses_the_gguf_chat_template(llm, smollm2_path):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert llm.processor.render_chat(messages) == expected
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert out.prompt_token_ids == reference(expected, add_special_tokens=False).input_ids
+    assert "Paris" in out.outputs[0].text
+
+
+def test_stop_strings_and_seeded_samples(llm):
+    text = llm.generate(["The colours of the rainbow are"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text.split()[3]
+    cut = llm.generate(["The colours of the rainbow are"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0]
+    assert cut.outputs[0].text == text[: text.index(stop)] and cut.outputs[0].finish_reason == "stop"
+    params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=10)
+    first = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    second = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    assert [o.text for o in first.outputs] == [o.text for o in second.outputs]
+    assert len({o.text for o in first.outputs}) > 1
