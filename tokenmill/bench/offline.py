@@ -12,6 +12,11 @@ from tokenmill.engine.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
@@ -23,19 +28,28 @@ def _summary(name: str, values: list[float]) -> dict:
 def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, reps: int) -> dict:
     prompts = random_prompts(num_prompts, input_len, THROUGHPUT_SEED)
     llm.generate(prompts, _greedy(4), use_tqdm=False)  # warm-up (excluded)
-    walls = []
+    walls, rss, host_ms_per_step, step_ms = [], [], [], []
+    engine = llm.engine
     for _ in range(reps):
-        llm.engine.reset_prefix_cache()  # every rep computes its prompts, as the peers do
+        engine.reset_prefix_cache()  # every rep computes its prompts, as the peers do
+        host0, steps0 = engine.scheduler_host_time, engine.num_steps
         start = time.perf_counter()
         outputs = llm.generate(prompts, _greedy(output_len), use_tqdm=False)
         walls.append(time.perf_counter() - start)
         assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+        steps = engine.num_steps - steps0
+        host_ms_per_step.append(1e3 * (engine.scheduler_host_time - host0) / steps)
+        step_ms.append(1e3 * walls[-1] / steps)
+        rss.append(_rss_mib())
     out_tokens = num_prompts * output_len
     total_tokens = num_prompts * (input_len + output_len)
     return {
         "workload": "throughput",
         "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
         "wall_s": walls,
+        "rss_mib_after_each_rep": rss,
+        "scheduler_host_ms_per_step": statistics.median(host_ms_per_step),
+        "step_ms": statistics.median(step_ms),
         **_summary("output_tok_s", [out_tokens / w for w in walls]),
         **_summary("total_tok_s", [total_tokens / w for w in walls]),
         "sample_req0_first16": outputs[0].outputs[0].token_ids[:16],
@@ -54,7 +68,7 @@ def latency(llm: LLM, input_len: int, output_len: int, reps: int) -> dict:
         start = time.perf_counter()
         token_times, tokens = [], []
         while engine.has_unfinished_requests():
-            updates = engine.step()
+            updates = engine.step_with_batch_queue()
             now = time.perf_counter()
             for u in updates:
                 tokens.extend(u.new_token_ids)

@@ -66,6 +66,9 @@ class EngineCore:
         self._rng = random.Random(config.seed)
         self.num_blocks = num_blocks
         self._in_flight = None  # (SchedulerOutput, StepInFlight) of step_with_batch_queue
+        # the scheduler's own host time (schedule + update_from_output), for the benchmarks
+        self.scheduler_host_time = 0.0
+        self.num_steps = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""
@@ -91,9 +94,9 @@ class EngineCore:
         """One engine step; returns the per-request updates it produced."""
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._update(scheduler_output, runner_output)
 
     def step_with_batch_queue(self):
         """Async scheduling: schedule and launch step N+1, then collect step N, so the host work of
@@ -108,7 +111,7 @@ class EngineCore:
             updates += self._collect()
         handle = None
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             if scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids:
                 handle = (scheduler_output, self.runner.launch(scheduler_output))
         updates += self._collect()
@@ -120,7 +123,20 @@ class EngineCore:
             return []
         scheduler_output, launched = self._in_flight
         self._in_flight = None
-        return self.scheduler.update_from_output(scheduler_output, self.runner.finish(launched))
+        return self._update(scheduler_output, self.runner.finish(launched))
+
+    def _schedule(self):
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        self.scheduler_host_time += time.perf_counter() - start
+        self.num_steps += 1
+        return scheduler_output
+
+    def _update(self, scheduler_output, runner_output):
+        start = time.perf_counter()
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler_host_time += time.perf_counter() - start
+        return updates
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

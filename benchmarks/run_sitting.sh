@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One benchmark sitting: tokenmill and its peers on W1/W2 (DESIGN.md), one after the other, under
+# one lock so no two timed runs overlap. Peers are set up as ../shared/peers/README.md says.
+# Usage: benchmarks/run_sitting.sh [OUT_DIR] [REPS]    (results: one JSON file per run)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-bench_results/$(date +%Y%m%d-%H%M)}
+REPS=${2:-3}
+PEERS=${PEERS_SRC:-../shared/peers}
+export PEERS_DIR=${PEERS_DIR:-$HOME/.cache/tokenmill-peers}
+mkdir -p "$OUT"
+lock() { flock /tmp/bench.lock "$@"; }
+result() { grep '^RESULT ' | sed 's/^RESULT //' > "$OUT/$1.json"; }
+
+lock .venv/bin/tokenmill bench throughput --reps "$REPS" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
+lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenmill-w2.json" > "$OUT/tokenmill-w2.log" 2>&1
+(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
+(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
+(cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w2 --reps "$REPS") | result llama-q4_1-w2
+(cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w1 --reps "$REPS") | result llama-q4_1-w1
+for q in Q8_0 F32; do
+  g=$(ls "$PEERS_DIR"/*"$q"*.gguf 2>/dev/null | head -1)
+  [ -n "$g" ] && (cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w2 --gguf "$g" --reps "$REPS") | result "llama-$q-w2"
+done
+export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
+(cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w1 --reps "$REPS") | result vllm-w1
+(cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w2 --reps "$REPS") | result vllm-w2
+(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" limits.py) | result limits
+echo "results in $OUT"
