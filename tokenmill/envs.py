@@ -36,6 +36,22 @@ VARIABLES: dict[str, _Var] = {
     "TOKENMILL_COMPILATION_CACHE_DIR": _Var(
         str, os.path.join(_DEFAULT_CACHE, "xla"), "JAX persistent compilation cache directory ('' disables it)"
     ),
+    "TOKENMILL_ATTENTION_BACKEND": _Var(
+        str.lower,
+        "auto",
+        "paged attention: auto (the C++ kernel on CPU when it builds, else the jnp reference), "
+        "reference (always the jnp reference), cpu_kernel (always the C++ kernel; error if it cannot build)",
+        choices=("auto", "reference", "cpu_kernel"),
+    ),
+    "TOKENMILL_SHUTDOWN_GRACE_S": _Var(
+        float, 30.0, "serve: seconds in-flight requests get to finish after SIGTERM before they are aborted"
+    ),
+    "TOKENMILL_ENGINE_STARTUP_TIMEOUT_S": _Var(
+        float, 900.0, "serve: seconds the engine core may take to load the model and start"
+    ),
+    "TOKENMILL_ENGINE_STALL_TIMEOUT_S": _Var(
+        float, 300.0, "serve: an engine core that produces nothing this long with requests in flight is dead"
+    ),
     "TOKENMILL_LOGGING_LEVEL": _Var(
         str.upper, "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
     ),

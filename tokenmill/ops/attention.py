@@ -7,8 +7,11 @@ row of block ids (its block table). New K/V are written to the cache first, then
 attends to its request's cached context up to its own position, so a prefill chunk sees the
 context earlier steps left in the cache.
 
-This is the plain `jnp` reference (the oracle and the fallback): it gathers each token's context
-from the cache. Faster paths must match it.
+`paged_attention_ref` is the plain `jnp` reference (the oracle and the fallback): it gathers each
+token's context from the cache. Faster paths must match it. `paged_attention` dispatches, at trace
+time, per TOKENMILL_ATTENTION_BACKEND: `auto` takes the C++ kernel (tokenmill/ops/cpu, through
+JAX's FFI) on CPU when it builds and suits the operands, else the reference; `reference` and
+`cpu_kernel` force one path (`cpu_kernel` raises if the kernel cannot be built).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from tokenmill import envs
 
 # Masked scores use a finite floor so that fully masked (padding) rows stay finite.
 _MASK_VALUE = -1e30
@@ -43,6 +48,28 @@ def write_kv(
 
 
 def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: jax.Array | int | None = None,
+) -> jax.Array:
+    """q: [T, heads, head_dim] → [T, heads, head_dim]; see `paged_attention_ref` for the semantics."""
+    backend = envs.TOKENMILL_ATTENTION_BACKEND
+    if backend != "reference":
+        from tokenmill.ops import cpu
+
+        if backend == "cpu_kernel" or (
+            jax.default_backend() == "cpu" and cpu.usable_for(q, k_cache) and cpu.available()
+        ):
+            return cpu.paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window)
+
+
+def paged_attention_ref(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,

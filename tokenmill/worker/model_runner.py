@@ -159,8 +159,9 @@ class ModelRunner:
             for num_tokens in self.token_buckets:
                 rows = self._rows_for(num_tokens)
                 for width in self.block_buckets:
-                    self._executable(num_tokens, width)
-                logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+                    exe = self._executable(num_tokens, width)
+                # the sampler's cache is keyed by its inputs' shardings too: match the step's output
+                logits = jax.device_put(jnp.zeros((rows, self.cfg.vocab_size), jnp.float32), exe.output_shardings[0])
                 md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
                 for mode in PRECOMPILED_SAMPLER_MODES:
                     self._sample(logits, md, mode=mode, num_logprobs=None)

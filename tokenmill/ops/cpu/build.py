@@ -1,0 +1,183 @@
+"""Compile the package's C++ CPU kernels on first use, cache the shared library, register FFI targets.
+
+The library is built with the system C++ compiler (`$CXX`, else g++, else c++) against the XLA FFI
+headers that ship with jaxlib, into `~/.cache/tokenmill/kernels/<name>-<hash>.so` (a temporary directory if that is read-only), where the hash
+covers the source, the compiler and its flags, the jaxlib version and the machine. Concurrent
+processes serialise on a file lock and publish the library with an atomic rename, so a half-written
+library is never loaded. The x86 build uses -mavx2 -mfma only when the CPU reports both (checked at
+run time), else a portable -O3 build.
+
+Nothing here raises: when the compiler is missing or the build fails, `load()` logs one warning and
+returns None, and callers fall back to the jnp reference. `build_error()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_DIR = Path(__file__).resolve().parent
+_BASE_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi")
+_BUILD_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One FFI target: its name in XLA, the exported handler symbol and the source file."""
+
+    target: str
+    symbol: str
+    source: str
+
+
+PAGED_ATTENTION = Kernel("tokenmill_paged_attention", "TokenmillPagedAttention", "paged_attention.cc")
+
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}
+_errors: dict[str, str] = {}
+
+
+def cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    return False
+
+
+def isa_flags() -> tuple[str, ...]:
+    return ("-mavx2", "-mfma") if cpu_has_avx2_fma() else ()
+
+
+def find_compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def cache_dir() -> Path:
+    """~/.cache/tokenmill/kernels, or a per-user temporary directory where that is not writable."""
+    preferred = Path(os.path.expanduser("~")) / ".cache" / "tokenmill" / "kernels"
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred
+    except OSError:
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"tokenmill-kernels-{uid}"
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def library_path(kernel: Kernel, cxx: str, flags: tuple[str, ...]) -> Path:
+    h = hashlib.sha256()
+    for part in (
+        (_SOURCE_DIR / kernel.source).read_bytes(),
+        _compiler_version(cxx).encode(),
+        " ".join(flags).encode(),
+        jaxlib.__version__.encode(),
+        platform.machine().encode(),
+        sys.platform.encode(),
+    ):
+        h.update(part)
+        h.update(b"\0")
+    return cache_dir() / f"{Path(kernel.source).stem}-{h.hexdigest()[:16]}.so"
+
+
+def _compile(kernel: Kernel, cxx: str, flags: tuple[str, ...], out: Path) -> None:
+    """Build into a temporary file next to `out`, then rename it into place (atomic)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, "-isystem", jax.ffi.include_dir(), str(_SOURCE_DIR / kernel.source), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build_locked(kernel: Kernel, cxx: str, flags: tuple[str, ...], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: the atomic rename alone keeps readers safe
+        fcntl = None
+    with open(out.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not out.exists():  # another process may have built it while we waited
+                logger.info("compiling %s (%s)", kernel.source, " ".join(flags))
+                _compile(kernel, cxx, flags, out)
+        finally:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build(kernel: Kernel) -> Path:
+    """The path of the kernel's shared library, compiling it if it is not cached. Raises on failure."""
+    cxx = find_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    flags = _BASE_FLAGS + isa_flags()
+    out = library_path(kernel, cxx, flags)
+    if not out.exists():
+        _build_locked(kernel, cxx, flags, out)
+    return out
+
+
+def load(kernel: Kernel = PAGED_ATTENTION) -> bool:
+    """Build (or find) the library and register its FFI target for the CPU platform, once per process.
+
+    Returns whether the target is usable; failures are logged once and remembered."""
+    with _lock:
+        if kernel.target in _loaded:
+            return _loaded[kernel.target]
+        try:
+            lib = ctypes.CDLL(str(build(kernel)))
+            handler = getattr(lib, kernel.symbol)
+            jax.ffi.register_ffi_target(kernel.target, jax.ffi.pycapsule(handler), platform="cpu")
+            _loaded[kernel.target] = True
+        except Exception as e:  # noqa: BLE001 - any failure means: use the reference
+            _errors[kernel.target] = f"{type(e).__name__}: {e}"
+            _loaded[kernel.target] = False
+            logger.warning(
+                "CPU kernel %s unavailable, using the jnp reference instead: %s", kernel.target, _errors[kernel.target]
+            )
+        return _loaded[kernel.target]
+
+
+def build_error(kernel: Kernel = PAGED_ATTENTION) -> str | None:
+    return _errors.get(kernel.target)

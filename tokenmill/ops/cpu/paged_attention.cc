@@ -1,0 +1,513 @@
+// Paged attention on CPU, called from JAX through the XLA FFI (target "tokenmill_paged_attention").
+//
+// Semantics are those of tokenmill.ops.attention.paged_attention_ref: token t of a ragged batch
+// attends to the keys of its request (row token_request[t] of block_tables) at context positions
+// p with p <= positions[t] and, with a window W, p > positions[t] - W. K/V rows are read in place
+// from the full cache [layers, num_blocks, block_size, kv_heads, head_dim] through the block
+// table: nothing is gathered. Online softmax over chunks of the context, fp32 accumulation.
+// Query heads are grouped per KV head (GQA): one work item is a token and one or all of its kv
+// heads, and the items are spread over XLA's intra-op thread pool.
+//
+// Index semantics follow jnp indexing (what the reference does): a negative layer / request /
+// block id wraps once, then it is clamped into range, so no input can read out of bounds. A token
+// with no visible key (negative position, or a window that excludes everything) gets, like the
+// reference's all-masked softmax, the plain mean of V over its whole block-table row.
+//
+// Built by tokenmill/ops/cpu/build.py with -O3 and either -mavx2 -mfma (checked at run time) or
+// no ISA flags (portable); the inner loops use GCC vector extensions, which lower to either.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+#define TM_INLINE static inline __attribute__((always_inline))
+
+constexpr int kChunk = 64;  // keys per online-softmax step (a multiple of 8)
+constexpr int kMaxGroup = 4;  // query heads processed together per kv head
+
+TM_INLINE v8f splat(float x) { return v8f{} + x; }
+
+TM_INLINE v8f load8(const float* p) {
+  v8f x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+TM_INLINE v8f load8(const uint16_t* p) {  // bfloat16 → float32
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  v8u w = __builtin_convertvector(h, v8u) << 16;
+  return (v8f)w;
+}
+
+TM_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
+
+TM_INLINE float to_f32(float x) { return x; }
+
+TM_INLINE float to_f32(uint16_t x) {
+  uint32_t w = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+TM_INLINE void store_f32(float x, float* p) { *p = x; }
+
+TM_INLINE void store_f32(float x, uint16_t* p) {  // float32 → bfloat16, round to nearest even
+  uint32_t w;
+  std::memcpy(&w, &x, sizeof(w));
+  if ((w & 0x7fffffffu) > 0x7f800000u) {
+    *p = uint16_t((w >> 16) | 0x40);  // quiet NaN
+    return;
+  }
+  w += 0x7fffu + ((w >> 16) & 1u);
+  *p = uint16_t(w >> 16);
+}
+
+TM_INLINE float hsum(v8f x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// exp for x <= 0 (Cephes expf: ~1 ulp); x below the float range, and -inf, give 0.
+TM_INLINE v8f exp8(v8f x) {
+  const v8f lo = splat(-87.33654f);
+  v8i under = x < lo;
+  x = under ? lo : x;
+  v8f t = x * 1.44269504088896341f + 0.5f;
+  v8f tf = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
+  tf = tf > t ? tf - 1.0f : tf;  // floor
+  v8i n = __builtin_convertvector(tf, v8i);
+  x = x - tf * 0.693359375f;
+  x = x + tf * 2.12194440e-4f;
+  v8f z = x * x;
+  v8f y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  v8i e = (n + 127) << 23;
+  y = y * (v8f)e;
+  return under ? splat(0.0f) : y;
+}
+
+// s[g * kChunk] (+1 for the second key) = q[g] · k for GN heads and two keys.
+template <int GN, typename KT>
+TM_INLINE void scores2(const float* q, const KT* k0, const KT* k1, int64_t D, float* s) {
+  v8f a0[GN], a1[GN];
+  for (int g = 0; g < GN; ++g) a0[g] = a1[g] = splat(0.0f);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    v8f x0 = load8(k0 + d), x1 = load8(k1 + d);
+    for (int g = 0; g < GN; ++g) {
+      v8f qv = load8(q + g * D + d);
+      a0[g] += qv * x0;
+      a1[g] += qv * x1;
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    float r0 = hsum(a0[g]), r1 = hsum(a1[g]);
+    for (int64_t e = d; e < D; ++e) {
+      r0 += q[g * D + e] * to_f32(k0[e]);
+      r1 += q[g * D + e] * to_f32(k1[e]);
+    }
+    s[g * kChunk] = r0;
+    s[g * kChunk + 1] = r1;
+  }
+}
+
+template <int GN, typename KT>
+TM_INLINE void scores1(const float* q, const KT* k0, int64_t D, float* s) {
+  v8f a0[GN];
+  for (int g = 0; g < GN; ++g) a0[g] = splat(0.0f);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    v8f x0 = load8(k0 + d);
+    for (int g = 0; g < GN; ++g) a0[g] += load8(q + g * D + d) * x0;
+  }
+  for (int g = 0; g < GN; ++g) {
+    float r0 = hsum(a0[g]);
+    for (int64_t e = d; e < D; ++e) r0 += q[g * D + e] * to_f32(k0[e]);
+    s[g * kChunk] = r0;
+  }
+}
+
+// Software prefetch of the K and V slots `kPrefetchAhead` keys ahead of the one being scored:
+// the keys of one request are scattered over blocks, which the hardware prefetcher cannot guess.
+constexpr int kPrefetchAhead = 6;
+
+template <typename KT>
+struct Prefetch {
+  const KT* const* kp = nullptr;  // slot pointers from the current key on (nullptr: no prefetch)
+  const KT* const* vp = nullptr;
+  int64_t count = 0;  // valid pointers from the current key on
+  int64_t off = 0;  // elements from the slot start to the item's first kv head
+  int64_t bytes = 0;  // bytes of the item's kv heads in one slot
+};
+
+template <typename KT>
+TM_INLINE void prefetch_key(const Prefetch<KT>& pf, int64_t j) {
+  if (pf.kp == nullptr || j >= pf.count) return;
+  const char* k = reinterpret_cast<const char*>(pf.kp[j] + pf.off);
+  const char* v = reinterpret_cast<const char*>(pf.vp[j] + pf.off);
+  for (int64_t b = 0; b < pf.bytes; b += 64) {
+    __builtin_prefetch(k + b, 0, 3);
+    __builtin_prefetch(v + b, 0, 3);
+  }
+  __builtin_prefetch(k + pf.bytes - 1, 0, 3);  // rows need not start on a cache line
+  __builtin_prefetch(v + pf.bytes - 1, 0, 3);
+}
+
+template <int GN, typename KT>
+static void scores_group(const float* q, const KT* const* kp, int64_t off, int n, int64_t D, float* s,
+                         const Prefetch<KT>& pf) {
+  int j = 0;
+  for (; j + 2 <= n; j += 2) {
+    prefetch_key(pf, j + kPrefetchAhead);
+    prefetch_key(pf, j + 1 + kPrefetchAhead);
+    scores2<GN>(q, kp[j] + off, kp[j + 1] + off, D, s + j);
+  }
+  if (j < n) {
+    prefetch_key(pf, j + kPrefetchAhead);
+    scores1<GN>(q, kp[j] + off, D, s + j);
+  }
+}
+
+// acc[g][d] += sum_j p[g][j] * v_j[d] for GN heads (v_j = vp[j] + off).
+template <int GN, typename KT>
+static void pv_group(const float* p, const KT* const* vp, int64_t off, int n, int64_t D, float* acc) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    v8f a0[GN], a1[GN];
+    for (int g = 0; g < GN; ++g) {
+      a0[g] = load8(acc + g * D + d);
+      a1[g] = load8(acc + g * D + d + 8);
+    }
+    for (int j = 0; j < n; ++j) {
+      v8f x0 = load8(vp[j] + off + d), x1 = load8(vp[j] + off + d + 8);
+      for (int g = 0; g < GN; ++g) {
+        v8f w = splat(p[g * kChunk + j]);
+        a0[g] += w * x0;
+        a1[g] += w * x1;
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      store8(acc + g * D + d, a0[g]);
+      store8(acc + g * D + d + 8, a1[g]);
+    }
+  }
+  for (; d + 8 <= D; d += 8) {
+    v8f a0[GN];
+    for (int g = 0; g < GN; ++g) a0[g] = load8(acc + g * D + d);
+    for (int j = 0; j < n; ++j) {
+      v8f x0 = load8(vp[j] + off + d);
+      for (int g = 0; g < GN; ++g) a0[g] += splat(p[g * kChunk + j]) * x0;
+    }
+    for (int g = 0; g < GN; ++g) store8(acc + g * D + d, a0[g]);
+  }
+  for (; d < D; ++d) {
+    for (int g = 0; g < GN; ++g) {
+      float a = acc[g * D + d];
+      for (int j = 0; j < n; ++j) a += p[g * kChunk + j] * to_f32(vp[j][off + d]);
+      acc[g * D + d] = a;
+    }
+  }
+}
+
+template <typename KT>
+static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, int64_t G, int64_t D, float* s,
+                       const Prefetch<KT>& pf) {
+  const Prefetch<KT> none;
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+    const float* qg = q + g0 * D;
+    float* sg = s + g0 * kChunk;
+    const Prefetch<KT>& p = g0 == 0 ? pf : none;  // the first pass over the keys prefetches
+    switch (std::min<int64_t>(kMaxGroup, G - g0)) {
+      case 1: scores_group<1>(qg, kp, off, n, D, sg, p); break;
+      case 2: scores_group<2>(qg, kp, off, n, D, sg, p); break;
+      case 3: scores_group<3>(qg, kp, off, n, D, sg, p); break;
+      default: scores_group<4>(qg, kp, off, n, D, sg, p); break;
+    }
+  }
+}
+
+template <typename KT>
+static void pv_all(const float* p, const KT* const* vp, int64_t off, int n, int64_t G, int64_t D, float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+    const float* pg = p + g0 * kChunk;
+    float* ag = acc + g0 * D;
+    switch (std::min<int64_t>(kMaxGroup, G - g0)) {
+      case 1: pv_group<1>(pg, vp, off, n, D, ag); break;
+      case 2: pv_group<2>(pg, vp, off, n, D, ag); break;
+      case 3: pv_group<3>(pg, vp, off, n, D, ag); break;
+      default: pv_group<4>(pg, vp, off, n, D, ag); break;
+    }
+  }
+}
+
+TM_INLINE int64_t wrap_clamp(int64_t i, int64_t n) {  // jnp indexing: wrap negatives once, clamp
+  if (i < 0) i += n;
+  return std::min<int64_t>(std::max<int64_t>(i, 0), n - 1);
+}
+
+struct Problem {
+  int64_t T, H, D, KVH, G, N, B, R, M;
+  int64_t layer;
+  int64_t window;  // visible: p > pos - window (int32 max when there is none)
+  float scale;
+  int64_t span;  // kv heads per work item (1 or KVH)
+  const int32_t* positions;
+  const int32_t* token_request;
+  const int32_t* block_tables;
+};
+
+template <typename KT>
+struct Scratch {
+  std::vector<float> q, acc, s, m, l;
+  std::vector<const KT*> kp, vp;  // slot pointers of the visible keys
+  explicit Scratch(const Problem& pb)
+      : q(pb.span * pb.G * pb.D), acc(pb.span * pb.G * pb.D), s(pb.span * pb.G * kChunk), m(pb.span * pb.G),
+        l(pb.span * pb.G), kp(kChunk), vp(kChunk) {}
+};
+
+// One work item: token t and kv heads [kh0, kh0 + span) → out[t, kh0*G : (kh0+span)*G, :].
+// All kv heads of a slot lie side by side in the cache, so an item over every kv head reads each
+// block as one contiguous stretch (prefetcher-friendly); single kv heads give more items when
+// there are few tokens.
+template <typename QT, typename KT>
+static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out, int64_t item,
+                   Scratch<KT>& sc) {
+  const int64_t items_per_token = pb.KVH / pb.span;
+  const int64_t t = item / items_per_token, kh0 = (item % items_per_token) * pb.span;
+  const int64_t G = pb.G, D = pb.D, ctx = pb.M * pb.B;
+  const int64_t heads = pb.span * G;  // query heads of this item
+  const QT* qt = q + (t * pb.H + kh0 * G) * D;
+  QT* ot = out + (t * pb.H + kh0 * G) * D;
+  if (ctx == 0) {
+    for (int64_t i = 0; i < heads * D; ++i) store_f32(0.0f, ot + i);
+    return;
+  }
+  const int64_t pos = pb.positions[t];
+  int64_t lo = std::max<int64_t>(0, pos - pb.window + 1), hi = std::min<int64_t>(pos, ctx - 1);
+  bool uniform = lo > hi;  // nothing visible: the reference's all-masked softmax is a plain mean
+  if (uniform) lo = 0, hi = ctx - 1;
+
+  const int32_t* table = pb.block_tables + wrap_clamp(pb.token_request[t], pb.R) * pb.M;
+  const int64_t row_stride = pb.KVH * D;  // between consecutive slots of a block
+  const int64_t layer_base = pb.layer * pb.N * pb.B * row_stride;
+
+  float* qf = sc.q.data();
+  for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_f32(qt[i]) * pb.scale;
+  float* acc = sc.acc.data();
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.0f);
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.end(), 0.0f);
+  float* s = sc.s.data();
+  const int64_t len = hi - lo + 1;
+  if (int64_t(sc.kp.size()) < len) sc.kp.resize(len), sc.vp.resize(len);
+  const KT** kp = sc.kp.data();
+  const KT** vp = sc.vp.data();
+  for (int64_t p = lo; p <= hi; ++p) {  // the slot of each visible key (all kv heads)
+    const int64_t bi = p / pb.B;
+    const int64_t blk = wrap_clamp(table[bi], pb.N);
+    const int64_t off = layer_base + (blk * pb.B + (p - bi * pb.B)) * row_stride;
+    kp[p - lo] = kc + off;
+    vp[p - lo] = vc + off;
+  }
+  const int64_t item_bytes = int64_t(sizeof(KT)) * pb.span * D;
+  for (int64_t j = 0; j < std::min<int64_t>(kPrefetchAhead, len); ++j) {
+    prefetch_key(Prefetch<KT>{kp, vp, len, kh0 * D, item_bytes}, j);
+  }
+
+  for (int64_t c0 = lo; c0 <= hi; c0 += kChunk) {
+    const int n = int(std::min<int64_t>(kChunk, hi - c0 + 1));
+    const KT* const* ck = kp + (c0 - lo);
+    const KT* const* cv = vp + (c0 - lo);
+    if (uniform) {
+      for (int64_t g = 0; g < heads; ++g) std::fill(s + g * kChunk, s + g * kChunk + n, 0.0f);
+    } else {
+      const Prefetch<KT> pf{ck, cv, hi - c0 + 1, kh0 * D, item_bytes};
+      for (int64_t k = 0; k < pb.span; ++k)
+        scores_all<KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{});
+    }
+    const int padded = (n + 7) & ~7;
+    for (int64_t g = 0; g < heads; ++g) {
+      float* sg = s + g * kChunk;
+      std::fill(sg + n, sg + padded, -std::numeric_limits<float>::infinity());
+      float cmax = sg[0];
+      for (int j = 1; j < n; ++j) cmax = std::max(cmax, sg[j]);
+      const float mnew = std::max(m[g], cmax);
+      const float alpha = std::exp(m[g] - mnew);  // 0 on the first chunk (m = -inf)
+      v8f vsum = splat(0.0f);
+      for (int j = 0; j < padded; j += 8) {
+        v8f e = exp8(load8(sg + j) - mnew);
+        store8(sg + j, e);
+        vsum += e;
+      }
+      l[g] = l[g] * alpha + hsum(vsum);
+      m[g] = mnew;
+      if (alpha != 1.0f) {
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+      }
+    }
+    for (int64_t k = 0; k < pb.span; ++k)
+      pv_all<KT>(s + k * G * kChunk, cv, (kh0 + k) * D, n, G, D, acc + k * G * D);
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int64_t d = 0; d < D; ++d) store_f32(acc[g * D + d] * inv, ot + g * D + d);
+  }
+}
+
+// Work items are claimed one at a time from an atomic counter by the calling thread and by
+// helper tasks on XLA's pool. The caller waits only for items that were claimed, so a helper
+// that never gets a thread (or starts after the end) cannot block it. The counters live in a
+// reference-counted block that late helpers may still touch; everything on the caller's stack
+// (the job) is dereferenced only after a successful claim, i.e. while the caller still waits.
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+template <typename QT, typename KT>
+struct Job {
+  Problem pb;
+  const QT* q;
+  const KT* kc;
+  const KT* vc;
+  QT* out;
+};
+
+template <typename QT, typename KT>
+static void work(Shared& sh, const Job<QT, KT>* job) {
+  std::unique_ptr<Scratch<KT>> scratch;
+  int64_t mine = 0;
+  for (;;) {
+    const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= sh.total) break;
+    if (!scratch) scratch = std::make_unique<Scratch<KT>>(job->pb);
+    attend<QT, KT>(job->pb, job->q, job->kc, job->vc, job->out, i, *scratch);
+    ++mine;
+  }
+  if (mine > 0 && sh.done.fetch_add(mine, std::memory_order_acq_rel) + mine == sh.total) {
+    { std::lock_guard<std::mutex> lock(sh.mu); }
+    sh.cv.notify_all();
+  }
+}
+
+template <typename QT, typename KT>
+static void run(ffi::ThreadPool& pool, Problem pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
+  const int64_t threads_available = std::max<int64_t>(1, pool.num_threads());
+  pb.span = pb.T >= 4 * threads_available ? pb.KVH : 1;
+  const int64_t items = pb.T * (pb.KVH / pb.span);
+  if (items == 0) return;
+  const Job<QT, KT> job{pb, q, kc, vc, out};
+  auto sh = std::make_shared<Shared>();
+  sh->total = items;
+  const int64_t threads = std::min<int64_t>(threads_available, items);
+  for (int64_t i = 1; i < threads; ++i) {
+    const Job<QT, KT>* job_ptr = &job;
+    pool.Schedule([sh, job_ptr]() { work<QT, KT>(*sh, job_ptr); });
+  }
+  work<QT, KT>(*sh, &job);
+  std::unique_lock<std::mutex> lock(sh->mu);
+  sh->cv.wait(lock, [&] { return sh->done.load(std::memory_order_acquire) == items; });
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> token_request, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Result<ffi::AnyBuffer> out, float scale) {
+  auto qd = q.dimensions();
+  auto kd = k_cache.dimensions();
+  auto bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: expected q [T,H,D], caches [L,N,B,KVH,D], tables [R,M]");
+  if (v_cache.dimensions().size() != 5 || k_cache.element_type() != v_cache.element_type())
+    return ffi::Error::InvalidArgument("paged_attention: k and v caches differ in rank or dtype");
+  for (size_t i = 0; i < 5; ++i)
+    if (kd[i] != v_cache.dimensions()[i]) return ffi::Error::InvalidArgument("paged_attention: k/v cache shapes differ");
+  Problem pb;
+  pb.T = qd[0], pb.H = qd[1], pb.D = qd[2];
+  const int64_t L = kd[0];
+  pb.N = kd[1], pb.B = kd[2], pb.KVH = kd[3];
+  pb.R = bd[0], pb.M = bd[1];
+  if (kd[4] != pb.D || pb.KVH <= 0 || pb.H % pb.KVH != 0 || L <= 0 || pb.N <= 0 || pb.B <= 0)
+    return ffi::Error::InvalidArgument("paged_attention: inconsistent head_dim / head counts / cache shape");
+  if (positions.element_count() != size_t(pb.T) || token_request.element_count() != size_t(pb.T) ||
+      layer.element_count() != 1 || window.element_count() != 1)
+    return ffi::Error::InvalidArgument("paged_attention: bad metadata shapes");
+  if (pb.T > 0 && pb.R <= 0) return ffi::Error::InvalidArgument("paged_attention: empty block table");
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("paged_attention: output must match q");
+  pb.G = pb.H / pb.KVH;
+  pb.layer = wrap_clamp(layer.typed_data()[0], L);
+  pb.window = window.typed_data()[0];
+  pb.scale = scale;
+  pb.positions = positions.typed_data();
+  pb.token_request = token_request.typed_data();
+  pb.block_tables = block_tables.typed_data();
+
+  const auto qt = q.element_type(), kt = k_cache.element_type();
+  const void* qp = q.untyped_data();
+  const void* kp = k_cache.untyped_data();
+  const void* vp = v_cache.untyped_data();
+  void* op = out->untyped_data();
+  using F32 = float;
+  using B16 = uint16_t;
+  if (qt == ffi::DataType::F32 && kt == ffi::DataType::F32) {
+    run<F32, F32>(pool, pb, (const F32*)qp, (const F32*)kp, (const F32*)vp, (F32*)op);
+  } else if (qt == ffi::DataType::F32 && kt == ffi::DataType::BF16) {
+    run<F32, B16>(pool, pb, (const F32*)qp, (const B16*)kp, (const B16*)vp, (F32*)op);
+  } else if (qt == ffi::DataType::BF16 && kt == ffi::DataType::F32) {
+    run<B16, F32>(pool, pb, (const B16*)qp, (const F32*)kp, (const F32*)vp, (B16*)op);
+  } else if (qt == ffi::DataType::BF16 && kt == ffi::DataType::BF16) {
+    run<B16, B16>(pool, pb, (const B16*)qp, (const B16*)kp, (const B16*)vp, (B16*)op);
+  } else {
+    return ffi::Error::InvalidArgument("paged_attention: q and caches must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q [T, H, D]
+                                  .Arg<ffi::AnyBuffer>()  // k_cache [L, N, B, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (int32 max: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // token_request [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [R, M]
+                                  .Ret<ffi::AnyBuffer>()  // out [T, H, D], dtype of q
+                                  .Attr<float>("scale"));
