@@ -156,3 +156,23 @@ class EngineConfig:
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
+
+
+_ENGINE_ARGS = {"dtype", "seed", "async_scheduling"}
+
+
+def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:
+    """vLLM-style engine arguments → (EngineConfig, enable_prefix_caching)."""
+    prefix_caching = kwargs.pop("enable_prefix_caching", True)
+    if "num_gpu_blocks_override" in kwargs:
+        kwargs["num_blocks"] = kwargs.pop("num_gpu_blocks_override")
+    cache_args = {f.name for f in dataclasses.fields(CacheConfig)}
+    sched_args = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    unknown = set(kwargs) - cache_args - sched_args - _ENGINE_ARGS
+    if unknown:
+        known = sorted(cache_args | sched_args | _ENGINE_ARGS | {"enable_prefix_caching"})
+        raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: {', '.join(known)}")
+    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in cache_args})
+    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_args})
+    engine = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS}
+    return EngineConfig(model=model, cache=cache, scheduler=sched, **engine), prefix_caching

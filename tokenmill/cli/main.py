@@ -1,8 +1,9 @@
-"""The `tokenmill` command: `tokenmill bench {throughput,latency}`."""
+"""The `tokenmill` command: `tokenmill serve [MODEL]` and `tokenmill bench {throughput,latency,serve}`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -17,9 +18,63 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
 
 
+def _str_list(raw: str) -> list[str]:
+    """A JSON list (vLLM's form: '["http://a", "http://b"]') or comma-separated values."""
+    raw = raw.strip()
+    if raw.startswith("["):
+        value = json.loads(raw)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [v.strip() for v in raw.split(",") if v.strip()]
+
+
+def _add_serve_parser(commands) -> None:
+    p = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    _add_engine_args(p)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch step N+1 before collecting step N")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) the API accepts (default: MODEL as given)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    p.add_argument("--allowed-origins", type=_str_list, default=["*"], help="CORS origins (JSON list or a,b)")
+    p.add_argument("--allowed-methods", type=_str_list, default=["*"])
+    p.add_argument("--allowed-headers", type=_str_list, default=["*"])
+    p.add_argument("--allow-credentials", action="store_true")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true")
+
+
+def _run_serve(args) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    from tokenmill.api.server import run_server
+    from tokenmill.engine.client import EngineStartupError
+
+    try:
+        return run_server(args)
+    except EngineStartupError as e:
+        print(f"tokenmill: error: the engine failed to start: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(commands)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     thr = bench.add_parser("throughput", help="W1: offline batch throughput")
     _add_engine_args(thr)
@@ -33,6 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (thr, lat):
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--output-json", default=None)
+    srv = bench.add_parser("serve", help="W3: an OpenAI-compatible server under load (tokenmill's or any other)")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    srv.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--num-prompts", type=int, default=64)
+    srv.add_argument("--input-len", type=int, default=128)
+    srv.add_argument("--output-len", type=int, default=128)
+    srv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    srv.add_argument("--request-rate", type=float, default=float("inf"),
+                     help="Poisson arrivals per second (inf: all at once, bounded by --max-concurrency)")
+    srv.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
+                     help="send token-id prompts (auto: if the server accepts them) or decoded text")
+    srv.add_argument("--seed", type=int, default=None, help="prompt seed (default: the W1 seed)")
+    srv.add_argument("--warmup-requests", type=int, default=1)
+    srv.add_argument("--request-timeout", type=float, default=600.0)
+    srv.add_argument("--output-json", default=None)
+    srv.add_argument("--plot", default=None, help="PNG of the latency distributions (default: beside --output-json)")
+    srv.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -40,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         logging.basicConfig(level=envs.TOKENMILL_LOGGING_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.command == "serve":
+            return _run_serve(args)
+        if args.command == "bench" and args.bench == "serve":
+            from tokenmill.bench import serve
+
+            return serve.run(args)
         if args.command == "bench":
             from tokenmill.bench import offline
 

@@ -8,33 +8,13 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import engine_config_from_kwargs
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.model.loader import LoadedModel
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-
-_CACHE_ARGS = {f.name for f in dataclasses.fields(CacheConfig)}
-_SCHED_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_ARGS = {"dtype", "seed", "async_scheduling"}
-
-
-def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:
-    """vLLM-style engine arguments → EngineConfig (and whether prefix caching is on)."""
-    prefix_caching = kwargs.pop("enable_prefix_caching", True)
-    if "num_gpu_blocks_override" in kwargs:
-        kwargs["num_blocks"] = kwargs.pop("num_gpu_blocks_override")
-    unknown = set(kwargs) - _CACHE_ARGS - _SCHED_ARGS - _ENGINE_ARGS
-    if unknown:
-        known = sorted(_CACHE_ARGS | _SCHED_ARGS | _ENGINE_ARGS | {"enable_prefix_caching"})
-        raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: {', '.join(known)}")
-    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in _CACHE_ARGS})
-    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _SCHED_ARGS})
-    engine = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS}
-    return EngineConfig(model=model, cache=cache, scheduler=sched, **engine), prefix_caching
-
 
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, **engine_args):

@@ -1,7 +1,6 @@
 """Activations by their HF names."""
 
 import jax
-import jax.numpy as jnp
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
