@@ -2,6 +2,7 @@
 # One benchmark sitting: tokenmill and its peers on W1/W2 (DESIGN.md), one after the other, under
 # one lock so no two timed runs overlap. Peers are set up as ../shared/peers/README.md says.
 # Usage: benchmarks/run_sitting.sh [OUT_DIR] [REPS]    (results: one JSON file per run)
+# tokenmill W1 runs W1_REPS (default 10) back-to-back reps, to show memory does not grow.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_results/$(date +%Y%m%d-%H%M)}
@@ -12,7 +13,7 @@ mkdir -p "$OUT"
 lock() { flock /tmp/bench.lock "$@"; }
 result() { grep '^RESULT ' | sed 's/^RESULT //' > "$OUT/$1.json"; }
 
-lock .venv/bin/tokenmill bench throughput --reps "$REPS" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
+lock .venv/bin/tokenmill bench throughput --reps "${W1_REPS:-10}" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
 lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenmill-w2.json" > "$OUT/tokenmill-w2.log" 2>&1
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
