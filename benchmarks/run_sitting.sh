@@ -26,5 +26,5 @@ done
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
 (cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w1 --reps "$REPS") | result vllm-w1
 (cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w2 --reps "$REPS") | result vllm-w2
-(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" limits.py) | result limits
+(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" limits.py) > "$OUT/limits.json"  # plain JSON, no RESULT line
 echo "results in $OUT"

