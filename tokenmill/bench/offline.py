@@ -59,7 +59,6 @@ def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, reps
 def latency(llm: LLM, input_len: int, output_len: int, reps: int) -> dict:
     prompt = random_prompts(1, input_len, LATENCY_SEED)[0]
     engine = llm.engine
-    engine_step_times = []
     llm.generate([prompt], _greedy(4), use_tqdm=False)  # warm-up (excluded)
     ttfts, decode_rates = [], []
     for rep in range(reps):
@@ -76,7 +75,6 @@ def latency(llm: LLM, input_len: int, output_len: int, reps: int) -> dict:
         assert len(tokens) == output_len, len(tokens)
         ttfts.append(token_times[0] - start)
         decode_rates.append((output_len - 1) / (token_times[-1] - token_times[0]))
-        engine_step_times.append((token_times[-1] - token_times[0]) / (output_len - 1))
     return {
         "workload": "latency",
         "input_len": input_len, "output_len": output_len,

@@ -22,7 +22,7 @@ def _pow2_series(low: int, high: int) -> list[int]:
     return sizes
 
 
-def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
     """Scheduled-token counts: powers of two up to the token budget (which is the last bucket)."""
     return _pow2_series(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
 

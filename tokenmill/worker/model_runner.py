@@ -85,7 +85,7 @@ class ModelRunner:
         self.max_model_len = scheduler_config.max_model_len
         self.max_num_seqs = scheduler_config.max_num_seqs
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens, self.max_num_seqs)
+        self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.block_buckets = block_buckets(max_blocks_per_req)
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, max_blocks_per_req)
 
