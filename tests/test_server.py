@@ -250,7 +250,7 @@ def test_openai_chat_match_offline_llm(server, client, llm):
 
 @pytest.mark.slow
 def test_concurrent_streams_each_get_their_own_text(server, llm):
-    prompts = [f"Question {i}: what comes after the number {i * 7}? Answer:" for i in range(24)]
+    prompts = [f"Question {i}: what comes after the number {i * 7}? Answer:" for i in range(64)]
     refs = [o.outputs[0].text for o in llm.generate(prompts, _greedy(8), use_tqdm=False)]
     aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=240)
 
@@ -318,8 +318,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert summary["total_output_tokens"] == 24 and summary["output_tok_s"] > 0
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < summary[f"median_{name}_ms"] <= summary[f"p99_{name}_ms"]
-    # the PNG: written when matplotlib is there, else a one-line note
-    assert out.with_suffix(".png").exists() or "matplotlib is not installed" in result.stderr
+    assert out.with_suffix(".png").stat().st_size > 1000  # the latency PNG (matplotlib is a test extra)
 
 
 # ---- last: SIGTERM drains the module's server ----------------------------------------------------
