@@ -124,8 +124,9 @@ def wait_for(predicate, timeout: float, interval: float = 0.2):
         time.sleep(interval)
 
 
-def run_failing_engine_core(input_address: str, parent_pid: int) -> None:
-    """An engine-core entry point whose first step raises (imported by the spawned child)."""
+def run_failing_engine_core(*args) -> None:
+    """An engine-core entry point (run_engine_core's arguments) whose first step raises (imported by
+    the spawned child)."""
     from tokenmill.engine import core
 
     def boom(self):
@@ -134,4 +135,4 @@ def run_failing_engine_core(input_address: str, parent_pid: int) -> None:
     core.EngineCore.step = core.EngineCore.step_with_batch_queue = boom
     from tokenmill.engine.core_proc import run_engine_core
 
-    run_engine_core(input_address, parent_pid)
+    run_engine_core(*args)

@@ -71,12 +71,14 @@ def make_batch(
     return jnp.asarray(q, dtype), kc, vc, md
 
 
-def both(q, kc, vc, layer, md, scale, window):
+def both(q, kc, vc, layer, md, scale, window, sinks=None):
     """(kernel, reference) under jit, the window traced when it is an array."""
 
     def run(fn):
-        f = jax.jit(lambda q, kc, vc, layer, md, w: fn(q, kc, vc, layer, md, scale=scale, sliding_window=w))
-        return np.asarray(f(q, kc, vc, jnp.int32(layer), md, window).astype(jnp.float32))
+        f = jax.jit(
+            lambda q, kc, vc, layer, md, w, s: fn(q, kc, vc, layer, md, scale=scale, sliding_window=w, sinks=s)
+        )
+        return np.asarray(f(q, kc, vc, jnp.int32(layer), md, window, sinks).astype(jnp.float32))
 
     return run(cpu.paged_attention), run(paged_attention_ref)
 
@@ -94,6 +96,33 @@ def test_kernel_matches_reference(group, head_dim, window):
     out, ref = both(q, kc, vc, 1, md, head_dim**-0.5, window)
     np.testing.assert_allclose(out, ref, **TOL)
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_attention_sinks_match_reference_and_softmax_with_an_extra_column(group):
+    """gpt-oss sinks: a per-head logit in the softmax denominator. The reference is checked against
+    a dense numpy softmax over [scores, sink]; the kernel against the reference, windows included."""
+    require_kernel()
+    rng = np.random.default_rng(40 + group)
+    plan = [(6, 7), (0, 11), (70, 1)]
+    q, kc, vc, md = make_batch(rng, plan, kv_heads=2, group=group, head_dim=64, pad=2)
+    sinks = jnp.asarray(rng.standard_normal(2 * group) * 3, jnp.float32)
+    for window in (None, 5, jnp.int32(64)):
+        out, ref = both(q, kc, vc, 1, md, 0.125, window, sinks)
+        np.testing.assert_allclose(out, ref, **TOL)
+    out, ref = both(q, kc, vc, 1, md, 0.125, None, sinks)
+    qn, kn, vn = np.asarray(q), np.asarray(kc[1]), np.asarray(vc[1])
+    tables, bs = np.asarray(md.block_tables), kn.shape[1]
+    for t, (pos, r) in enumerate(zip(np.asarray(md.positions)[:-2], np.asarray(md.token_request))):
+        slots = [(tables[r, p // bs], p % bs) for p in range(pos + 1)]
+        k = np.stack([kn[b, o] for b, o in slots])  # [ctx, kv_heads, D]
+        v = np.stack([vn[b, o] for b, o in slots])
+        for h in range(2 * group):
+            scores = k[:, h // group] @ qn[t, h] * 0.125
+            e = np.exp(np.append(scores, sinks[h]) - max(scores.max(), float(sinks[h])))
+            np.testing.assert_allclose(ref[t, h], (e[:-1] / e.sum()) @ v[:, h // group], rtol=1e-4, atol=1e-5)
+    plain, _ = both(q, kc, vc, 1, md, 0.125, None)
+    assert not np.allclose(out[:-2], plain[:-2], atol=1e-3)  # the sinks changed something
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 5])
@@ -148,9 +177,10 @@ def test_degenerate_tokens_match_reference():
         block_tables=md.block_tables.at[1, 0].set(num_blocks + 3).at[0, 1].set(-2),
     )
     for window in (None, 2, jnp.int32(0), jnp.int32(-4)):
-        out, ref = both(q, kc, vc, 1, md, 0.125, window)
-        np.testing.assert_allclose(out, ref, **TOL)
-        assert np.isfinite(out).all()
+        for sinks in (None, jnp.linspace(-2.0, 2.0, 4)):
+            out, ref = both(q, kc, vc, 1, md, 0.125, window, sinks)
+            np.testing.assert_allclose(out, ref, **TOL)
+            assert np.isfinite(out).all()
 
 
 def test_padding_tokens_are_finite_and_write_nothing():

@@ -253,8 +253,8 @@ def test_fatal_error_in_the_core_sends_engine_core_dead_and_exits_1(tiny_dir, sk
         reason = loop.run_until_complete(scenario())
         assert "reported a fatal error" in reason  # the sentinel, before the process is seen gone
         # the client's monitor thread reaps the process: wait for it rather than join here too
-        assert wait_for(lambda: client.proc.exitcode is not None, 30), "the core did not exit"
-        assert client.proc.exitcode == 1
+        assert wait_for(lambda: client.procs[0].exitcode is not None, 30), "the core did not exit"
+        assert client.procs[0].exitcode == 1
     finally:
         client.shutdown()
 

@@ -28,7 +28,19 @@ CONFIGS = {
         **{**_COMMON, "num_hidden_layers": 3}, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     ),
+    "MixtralForCausalLM": lambda: transformers.MixtralConfig(**_COMMON, num_local_experts=8, num_experts_per_tok=2),
+    "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=False,
+    ),
+    "GptOssForCausalLM": lambda: transformers.GptOssConfig(
+        **{**_COMMON, "num_hidden_layers": 3}, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=16, swiglu_limit=1.0,  # a low limit, so the clamps of swigluoai act
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    ),
 }
+# gpt-oss' attention sinks need the eager attention of transformers
+_ATTN_IMPL = {"GptOssForCausalLM": "eager"}
 
 
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -41,11 +53,18 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-def make_tiny_checkpoint(arch: str, path: str, seed: int = 0, max_shard_size: str | None = None):
-    """Write a random `arch` model and a word-level tokenizer to `path`; returns the torch model."""
+def make_tiny_checkpoint(arch: str, path: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Write a random `arch` model (config fields `overrides` changed) and a word-level tokenizer to
+    `path`; returns the torch model."""
     torch.manual_seed(seed)
     config = CONFIGS[arch]()
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=_ATTN_IMPL.get(arch)).eval()
+    with torch.no_grad():  # biases and sinks start at 0 (or near it): give them values that matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("sinks"):
+                p.normal_(0.0, 0.5)
     os.makedirs(path, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)

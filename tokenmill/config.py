@@ -12,6 +12,10 @@ LLAMA_FAMILY = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # the same decoder with a mixture-of-experts feed-forward (tokenmill/ops/moe.py)
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 GEMMA3_FAMILY = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA3_FAMILY
@@ -43,6 +47,25 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale = this ** -0.5
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts: num_experts == 0 means a dense gated MLP in every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    moe_act: str = "silu"  # "silu" | "gelu" | "swigluoai" (gpt-oss)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    moe_bias: bool = False  # gpt-oss: biases on the router and on both expert projections
+    o_proj_bias: bool = False  # gpt-oss: `attention_bias` covers the output projection too
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax denominator
+    # set when the experts were quantized at load time (tokenmill/model/quantize.py): "int8",
+    # "fp8_e4m3" or "fp8_e5m2", with one scale per `expert_quant_window` rows of the reduction axis
+    expert_quantization: str | None = None
+    expert_quant_window: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def family(self) -> str:
@@ -93,8 +116,9 @@ class ModelConfig:
             eos_token_ids = tuple(eos) if isinstance(eos, list) else (eos,)
         is_gemma = arch in GEMMA3_FAMILY
         sliding_window = d.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
+        if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
             sliding_window = None
+        moe = _moe_fields(arch, d)
         layer_types = tuple(d.get("layer_types") or ())
         if is_gemma and not layer_types:
             pattern = d.get("sliding_window_pattern", 6)
@@ -118,14 +142,42 @@ class ModelConfig:
             rope_local_theta=float(local_theta) if is_gemma and local_theta else (10000.0 if is_gemma else None),
             tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
             attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM" or is_gemma,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or is_gemma,
             hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
             sliding_window=sliding_window,
             layer_types=layer_types,
             query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(eos_token_ids),
+            **moe,
         )
+
+
+def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig for an MoE architecture ({} for dense ones)."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True,
+                    moe_act=d.get("hidden_act", "silu"))
+    if arch == "Qwen3MoeForCausalLM":
+        # every layer must be an MoE layer: the layers are one stacked scan body
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(
+                "Qwen3-MoE configs with dense layers (mlp_only_layers / decoder_sparse_step != 1) "
+                "are not supported"
+            )
+        # Hub configs say num_experts; transformers 5 writes its alias num_local_experts
+        num_experts = d["num_experts"] if "num_experts" in d else d["num_local_experts"]
+        return dict(num_experts=num_experts, num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["moe_intermediate_size"],
+                    norm_topk_prob=d.get("norm_topk_prob", False), moe_act=d.get("hidden_act", "silu"))
+    if arch == "GptOssForCausalLM":
+        # routing: softmax over the top-k router logits == softmax, top-k, renormalise
+        return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True, moe_act="swigluoai",
+                    swiglu_alpha=d.get("swiglu_alpha", 1.702), swiglu_limit=d.get("swiglu_limit", 7.0),
+                    moe_bias=True, o_proj_bias=d.get("attention_bias", True), attention_sinks=True)
+    return {}
 
 
 @dataclass(frozen=True)
@@ -145,20 +197,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads over devices, processes and hosts (vLLM's argument names)."""
+
+    tensor_parallel_size: int = 1  # devices of one mesh's "model" axis: heads and MLP columns split
+    data_parallel_size: int = 1  # engine-core processes, each with its own replica and requests
+    enable_expert_parallel: bool = False  # MoE experts split over "model" instead of their columns
+    # None: in-process; "ray": workers as Ray actors (also TOKENMILL_MULTIHOST_BACKEND=ray)
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be None (in-process) or 'ray', "
+                f"got {self.distributed_executor_backend!r}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path (HF directory or .gguf file); None = the embedded default
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on GPU/TPU
     seed: int = 0
     # launch step N+1 before collecting step N (EngineCore.step_with_batch_queue)
     async_scheduling: bool = True
+    # quantize the experts of an MoE model at load time: "int8" | "fp8_e4m3" | "fp8_e5m2"
+    expert_quantization: str | None = None
+    expert_quantization_window: int = 256  # rows of the reduction axis per scale
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
 
 
-_ENGINE_ARGS = {"dtype", "seed", "async_scheduling"}
+_ENGINE_ARGS = {"dtype", "seed", "async_scheduling", "expert_quantization", "expert_quantization_window"}
 
 
 def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:
@@ -166,13 +242,17 @@ def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig
     prefix_caching = kwargs.pop("enable_prefix_caching", True)
     if "num_gpu_blocks_override" in kwargs:
         kwargs["num_blocks"] = kwargs.pop("num_gpu_blocks_override")
-    cache_args = {f.name for f in dataclasses.fields(CacheConfig)}
-    sched_args = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    unknown = set(kwargs) - cache_args - sched_args - _ENGINE_ARGS
+    parts = {name: {f.name for f in dataclasses.fields(cls)}
+             for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig))}
+    known = set(_ENGINE_ARGS).union(*parts.values())
+    unknown = set(kwargs) - known
     if unknown:
-        known = sorted(cache_args | sched_args | _ENGINE_ARGS | {"enable_prefix_caching"})
-        raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; known: {', '.join(known)}")
-    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in cache_args})
-    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_args})
+        raise TypeError(
+            f"unknown engine argument(s) {sorted(unknown)}; known: {', '.join(sorted(known | {'enable_prefix_caching'}))}"
+        )
+    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in parts["cache"]})
+    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in parts["scheduler"]})
+    parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parts["parallel"]})
     engine = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS}
-    return EngineConfig(model=model, cache=cache, scheduler=sched, **engine), prefix_caching
+    config = EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel, **engine)
+    return config, prefix_caching

@@ -43,6 +43,12 @@ VARIABLES: dict[str, _Var] = {
         "reference (always the jnp reference), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "reference", "cpu_kernel"),
     ),
+    "TOKENMILL_USE_MOE_EP_KERNEL": _Var(
+        _bool,
+        True,
+        "fused MoE over a mesh: each device computes its own experts' tokens (expert parallel); "
+        "0 computes the reference MoE under the shardings the arrays carry",
+    ),
     "TOKENMILL_SHUTDOWN_GRACE_S": _Var(
         float, 30.0, "serve: seconds in-flight requests get to finish after SIGTERM before they are aborted"
     ),
@@ -51,6 +57,20 @@ VARIABLES: dict[str, _Var] = {
     ),
     "TOKENMILL_ENGINE_STALL_TIMEOUT_S": _Var(
         float, 300.0, "serve: an engine core that produces nothing this long with requests in flight is dead"
+    ),
+    "TOKENMILL_MULTIHOST_BACKEND": _Var(
+        str.lower, "", "run the model's workers across hosts: ray (one Ray actor per host); '' keeps them "
+        "in-process (the distributed_executor_backend engine argument wins over this)", choices=("", "ray"),
+    ),
+    "TOKENMILL_RAY_DEVICE_RESOURCE": _Var(
+        str, "tokenmill_device", "ray: the Ray resource that counts a host's accelerators (GPU on GPU hosts; "
+        "start each node with --resources='{\"tokenmill_device\": N}' otherwise)",
+    ),
+    "TOKENMILL_RAY_PLACEMENT_TIMEOUT_S": _Var(
+        float, 120.0, "ray: seconds to wait for the cluster to grant one bundle of devices per host"
+    ),
+    "TOKENMILL_RAY_STEP_TIMEOUT_S": _Var(
+        float, 600.0, "ray: a worker that takes longer than this over one step (or one call) is hung"
     ),
     "TOKENMILL_LOGGING_LEVEL": _Var(
         str.upper, "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
@@ -72,7 +92,7 @@ def read(name: str) -> Any:
     except ValueError as e:
         raise ValueError(f"invalid value {raw!r} for {name}: {e}") from None
     if var.choices is not None and value not in var.choices:
-        raise ValueError(f"invalid value {raw!r} for {name}; choices: {', '.join(var.choices)}")
+        raise ValueError(f"invalid value {raw!r} for {name}; choices: {', '.join(c or repr(c) for c in var.choices)}")
     return value
 
 

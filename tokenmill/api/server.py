@@ -271,6 +271,13 @@ async def serve(args) -> int:
                            async_scheduling=args.async_scheduling)
         if args.kv_cache_memory is not None:
             engine_args["kv_cache_memory"] = args.kv_cache_memory
+        engine_args.update(tensor_parallel_size=args.tensor_parallel_size,
+                           enable_expert_parallel=args.enable_expert_parallel)
+        engine_args["data_parallel_size"] = args.data_parallel_size
+        engine_args["distributed_executor_backend"] = args.distributed_executor_backend
+        if args.expert_quantization is not None:
+            engine_args.update(expert_quantization=args.expert_quantization,
+                               expert_quantization_window=args.expert_quantization_window)
         engine = AsyncLLM.from_engine_args(args.model, stat_logger=metrics, **engine_args)
     except BaseException:
         sock.close()

@@ -1,4 +1,5 @@
-"""`tokenmill bench throughput` (W1) and `tokenmill bench latency` (W2), through the offline engine."""
+"""`tokenmill bench throughput` (W1) and `tokenmill bench latency` (W2), through the offline engine
+(with --data-parallel-size > 1, W1 runs behind AsyncLLM instead: data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from tokenmill.engine.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
+def _rss_mib(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
@@ -89,6 +90,21 @@ def run(args) -> dict:
                        max_num_batched_tokens=args.max_num_batched_tokens)
     if args.kv_cache_memory is not None:
         engine_args["kv_cache_memory"] = args.kv_cache_memory
+    engine_args.update(tensor_parallel_size=args.tensor_parallel_size,
+                       enable_expert_parallel=args.enable_expert_parallel,
+                       distributed_executor_backend=args.distributed_executor_backend)
+    if args.expert_quantization is not None:
+        engine_args.update(expert_quantization=args.expert_quantization,
+                           expert_quantization_window=args.expert_quantization_window)
+    if args.data_parallel_size > 1:
+        if args.bench != "throughput":
+            raise ValueError(f"bench {args.bench} runs one stream: --data-parallel-size must be 1")
+        from tokenmill.bench.data_parallel import run_throughput
+
+        engine_args["data_parallel_size"] = args.data_parallel_size
+        result = run_throughput(args, engine_args)
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return _report(result, args.output_json)
     start = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup = time.perf_counter() - start
@@ -100,8 +116,12 @@ def run(args) -> dict:
         engine="tokenmill", model=llm.engine.model.source, startup_s=startup,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+    return _report(result, args.output_json)
+
+
+def _report(result: dict, output_json: str | None) -> dict:
     print(json.dumps(result, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+    if output_json:
+        with open(output_json, "w") as f:
             json.dump(result, f, indent=2)
     return result

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: `tokenmill serve [MODEL]` and `tokenmill bench {throughput,latency,serve}`."""
+"""The `tokenmill` command: `tokenmill serve [MODEL]` and `tokenmill bench {throughput,latency,serve,moe}`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    p.add_argument("--expert-quantization", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2"],
+                   help="store an MoE model's experts in 8 bits (quantized at load time)")
+    p.add_argument("--expert-quantization-window", type=int, default=256,
+                   help="rows of the reduction axis per quantization scale")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices to split the model over (attention heads, MLP columns)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split MoE experts whole over the tensor-parallel devices")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core processes, each with its own model replica and share of the requests")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["ray"],
+                   help="run the model across hosts: one Ray worker per host (default: in this process; "
+                        "also TOKENMILL_MULTIHOST_BACKEND=ray)")
 
 
 def _str_list(raw: str) -> list[str]:
@@ -88,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (thr, lat):
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--output-json", default=None)
+    moe = bench.add_parser("moe", help="one MoE layer (Qwen3-30B-A3B's shapes): fused_moe, ref_moe, dense matmuls")
+    moe.add_argument("--num-tokens", type=int, default=512)
+    moe.add_argument("--hidden", type=int, default=2048)
+    moe.add_argument("--intermediate", type=int, default=768, help="each expert's intermediate size")
+    moe.add_argument("--experts", type=int, default=128)
+    moe.add_argument("--top-k", type=int, default=8)
+    moe.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    moe.add_argument("--quant", default="none", choices=["none", "int8", "fp8_e4m3", "fp8_e5m2"])
+    moe.add_argument("--wsz", type=int, default=256, help="quantization window: reduction-axis rows per scale")
+    moe.add_argument("--reps", type=int, default=3)
+    moe.add_argument("--output-json", default=None)
     srv = bench.add_parser("serve", help="W3: an OpenAI-compatible server under load (tokenmill's or any other)")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     srv.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
@@ -119,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             from tokenmill.bench import serve
 
             return serve.run(args)
+        if args.command == "bench" and args.bench == "moe":
+            from tokenmill.bench import moe
+
+            moe.run(args)
+            return 0
         if args.command == "bench":
             from tokenmill.bench import offline
 

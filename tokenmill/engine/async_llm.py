@@ -9,6 +9,9 @@ process, see core_proc.py) only schedules and steps. Leaving the iterator early 
 cancelled or closes it) aborts the request in the core. If the core dies, every in-flight request
 fails at once with EngineDeadError. Every wait has a timeout: a core that produces nothing for
 TOKENMILL_ENGINE_STALL_TIMEOUT_S while requests are in flight is declared dead.
+
+With data_parallel_size = N there are N engine cores (client.py): the samples of one request (n > 1)
+go to one rank, so that they share its cached prompt blocks, and stats are merged over the ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tokenmill import envs
 from tokenmill.config import EngineConfig, engine_config_from_kwargs
 from tokenmill.engine import messages as m
 from tokenmill.engine.client import EngineCoreClient, EngineDeadError, EngineStartupError
+from tokenmill.engine.dp_coordinator import uses_waves
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.model.loader import LoadedModel, default_model_path, load_config, load_tokenizer
@@ -76,7 +80,9 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, enable_prefix_caching: bool = True,
-                 stat_logger: StatLogger | None = None):
+                 stat_logger: StatLogger | None = None, wave_mode: bool | None = None):
+        """`wave_mode`: data-parallel ranks step in lock-step waves (dp_core_proc.py); None: when they
+        serve an expert-parallel MoE model (dp_coordinator.uses_waves)."""
         # the tokenizer first: a bad model path fails here, in a second, before any process starts
         tokenizer, chat_template = load_tokenizer(config.model)
         model_config = load_config(config.model)
@@ -88,10 +94,13 @@ class AsyncLLM:
         self.processor = Processor(self.model, self.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_logger = stat_logger
+        if wave_mode is None:
+            wave_mode = uses_waves(config.parallel, model_config)
         self.client = EngineCoreClient(config, enable_prefix_caching,
-                                       startup_timeout_s=envs.TOKENMILL_ENGINE_STARTUP_TIMEOUT_S)
-        self.num_blocks = self.client.ready.num_blocks
-        self.block_size = self.client.ready.block_size
+                                       startup_timeout_s=envs.TOKENMILL_ENGINE_STARTUP_TIMEOUT_S,
+                                       wave_mode=wave_mode)
+        self.num_blocks = self.client.num_blocks
+        self.block_size = self.client.block_size
         self.stall_timeout_s = envs.TOKENMILL_ENGINE_STALL_TIMEOUT_S
         self._streams: dict[str, _Stream] = {}
         self._parent_of: dict[str, str] = {}
@@ -103,9 +112,9 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, stat_logger: StatLogger | None = None,
-                         **kwargs) -> AsyncLLM:
+                         wave_mode: bool | None = None, **kwargs) -> AsyncLLM:
         config, prefix_caching = engine_config_from_kwargs(model, **kwargs)
-        return cls(config, prefix_caching, stat_logger=stat_logger)
+        return cls(config, prefix_caching, stat_logger=stat_logger, wave_mode=wave_mode)
 
     @property
     def errored(self) -> bool:
@@ -194,6 +203,7 @@ class AsyncLLM:
         stream = _Stream(request_id, children, RequestStats(now, len(p.token_ids)), unfinished=set(children))
         self._streams[request_id] = stream
         wall = time.time()
+        rank = None  # the rank of the first sample takes them all
         for index, child_id in enumerate(children):
             child_params = params
             if params.n > 1:  # as LLM: n samples are n requests; seeded ones get seed + index
@@ -202,7 +212,8 @@ class AsyncLLM:
             self._parent_of[child_id] = request_id
             self.output_processor.add_request(child_id, p.text, p.token_ids, child_params, index=index)
             try:
-                self.client.add_request(m.EngineCoreRequest(child_id, p.token_ids, m.params_to_dict(child_params), wall))
+                request = m.EngineCoreRequest(child_id, p.token_ids, m.params_to_dict(child_params), wall)
+                rank = self.client.add_request(request, rank)
             except EngineDeadError:
                 self._remove(stream)
                 raise
@@ -313,14 +324,45 @@ class AsyncLLM:
     # ---- utilities ----------------------------------------------------------------------------------
 
     async def get_stats(self, timeout: float = 5.0) -> dict:
+        """The engine's stats, merged over its data-parallel ranks (merge_rank_stats)."""
         self._ensure_started()
-        return await self.client.call_utility("get_stats", timeout=timeout)
+        return merge_rank_stats(await self.client.call_utility_all("get_stats", timeout=timeout))
 
     async def reset_prefix_cache(self, timeout: float = 5.0) -> bool:
         self._ensure_started()
-        return await self.client.call_utility("reset_prefix_cache", timeout=timeout)
+        return all(await self.client.call_utility_all("reset_prefix_cache", timeout=timeout))
+
+    async def call_utility_all(self, method: str, *args, timeout: float = 5.0) -> list:
+        """An engine-core utility method on every data-parallel rank: the results by rank."""
+        self._ensure_started()
+        return await self.client.call_utility_all(method, *args, timeout=timeout)
 
     def shutdown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
         self.client.shutdown()
+
+
+# Per-rank stats that do not add up over the ranks: a mean, or the worst rank.
+_MEAN_STATS = ("kv_cache_usage",)
+_MAX_STATS = ("schedule_time_us",)
+
+
+def merge_rank_stats(per_rank: list[dict]) -> dict:
+    """One engine's view of its ranks' stats: counts add up, the KV cache usage is the mean over the
+    (equal) caches, the prefix cache hit rate is recomputed from the summed tokens."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    merged = {}
+    for key in per_rank[0]:
+        values = [stats[key] for stats in per_rank]
+        if key in _MEAN_STATS:
+            merged[key] = sum(values) / len(values)
+        elif key in _MAX_STATS:
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(values)
+    queries = merged.get("prefix_cache_queries", 0)
+    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
+    merged["data_parallel_size"] = len(per_rank)
+    return merged

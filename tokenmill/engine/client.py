@@ -1,14 +1,25 @@
-"""The front end's side of the process boundary: start the engine core, talk to it over ZMQ.
+"""The front end's side of the process boundary: start the engine cores, talk to them over ZMQ.
 
-    client = EngineCoreClient(config)            # spawns the core, handshake, blocks until READY
+    client = EngineCoreClient(config)            # spawns the core(s), handshake, blocks until READY
     client.start(loop, on_outputs, on_dead)      # deliver outputs and death on the asyncio loop
     client.add_request(EngineCoreRequest(...))   # non-blocking sends, from the loop's thread
     client.abort_requests(["id"])
     await client.call_utility("get_stats", timeout=5)
     client.shutdown()
 
-Two threads watch the core: one receives output messages (and the ENGINE_CORE_DEAD sentinel), one
-waits on the process sentinel. Either hands the news to the event loop with call_soon_threadsafe.
+Data parallel (data_parallel_size = N): N engine-core processes, ranks 0..N-1, each with its own
+model replica, KV cache and scheduler on its own slice of the devices (dp_devices.py), all on the
+same two sockets. A new request goes to the least loaded rank (dp_load_balancer.py), an abort to the
+rank that holds the request, a utility call to one rank or to every rank (call_utility_all). Any
+rank dying is the engine dying.
+
+Wave mode (dp_core_proc.py): the front end follows the wave the ranks run. A request that arrives
+when the last wave is over first sends START_WAVE to every rank, and so does a rank's start_wave
+message (a request reached it after its wave ended). The waves' all-reduce runs in a coordinator
+thread (dp_coordinator.py).
+
+Two threads watch the cores: one receives output messages (and the ENGINE_CORE_DEAD sentinel), one
+waits on the process sentinels. Either hands the news to the event loop with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.engine import messages as m
 from tokenmill.engine.core_proc import run_engine_core
+from tokenmill.engine.dp_coordinator import WaveCoordinator
+from tokenmill.engine.dp_devices import rank_visible_devices
+from tokenmill.engine.dp_load_balancer import RankLoads
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +61,12 @@ class EngineStartupError(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, enable_prefix_caching: bool = True,
-                 startup_timeout_s: float = 600.0, target: Callable[[str, int], None] = run_engine_core):
-        """`target`: the engine-core process's entry point (tests substitute one that fails)."""
+                 startup_timeout_s: float = 600.0, target: Callable[..., None] = run_engine_core,
+                 wave_mode: bool = False):
+        """`target`: the engine-core process's entry point, with run_engine_core's arguments (tests
+        substitute one that fails); `wave_mode`: the ranks step in lock-step waves."""
+        self.num_ranks = config.parallel.data_parallel_size
+        self.wave_mode = wave_mode
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         self.input_address = f"ipc://{self._tmpdir}/input"
         self.output_address = f"ipc://{self._tmpdir}/output"
@@ -62,19 +80,34 @@ class EngineCoreClient:
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(self.output_address)
+        self.coordinator: WaveCoordinator | None = None
+        coordinator_address = None
+        if wave_mode:
+            coordinator_address = f"ipc://{self._tmpdir}/coordinator"
+            self.coordinator = WaveCoordinator(self.ctx, coordinator_address, self.num_ranks)
         self.encoder = m.encoder()
-        self._identity: bytes | None = None
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_reported = False
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=target, args=(self.input_address, os.getpid()), name="EngineCore", daemon=True
-        )
+        self._loads = RankLoads(self.num_ranks)
+        self._rank_of: dict[str, int] = {}  # requests sent and not seen finished → their rank
+        self.wave = 0  # wave mode: the wave the ranks run, or the next one
+        self.wave_running = False
+        self.procs: list[multiprocessing.Process] = []
         try:
-            self.proc.start()
+            spawn = multiprocessing.get_context("spawn")
+            for rank in range(self.num_ranks):
+                args = (self.input_address, os.getpid(), rank, rank_visible_devices(rank, config.parallel),
+                        coordinator_address)
+                name = "EngineCore" if self.num_ranks == 1 else f"EngineCore-DP{rank}"
+                self.procs.append(spawn.Process(target=target, args=args, name=name, daemon=True))
+            for proc in self.procs:
+                proc.start()
+            if self.coordinator is not None:
+                self.coordinator.start()
             self.ready = self._handshake(config, enable_prefix_caching, startup_timeout_s)
         except BaseException:
             self.shutdown()
@@ -82,35 +115,62 @@ class EngineCoreClient:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid
+        """Rank 0's process id."""
+        return self.procs[0].pid if self.procs else None
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [proc.pid for proc in self.procs]
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of the smallest rank's cache: what one request can count on."""
+        return min(r.num_blocks for r in self.ready)
+
+    @property
+    def block_size(self) -> int:
+        return self.ready[0].block_size
+
+    def _rank_label(self, rank: int) -> str:
+        return "" if self.num_ranks == 1 else f" (data-parallel rank {rank})"
 
     # ---- start-up -----------------------------------------------------------------------------------
 
-    def _recv_handshake(self, deadline: float, what: str):
+    def _recv_handshake(self, deadline: float, what: str) -> tuple[int, m.HandshakeMessage]:
         while not self.input_socket.poll(int(POLL_S * 1000)):
-            if not self.proc.is_alive():
-                raise EngineStartupError(f"the engine core exited (code {self.proc.exitcode}) while {what}")
+            for rank, proc in enumerate(self.procs):
+                if not proc.is_alive():
+                    raise EngineStartupError(
+                        f"the engine core{self._rank_label(rank)} exited (code {proc.exitcode}) while {what}")
             if time.monotonic() > deadline:
                 raise EngineStartupError(f"the engine core did not answer in time while {what}")
         identity, payload = self.input_socket.recv_multipart()
-        return identity, m.decoder(m.HandshakeMessage).decode(payload)
+        return int.from_bytes(identity, "little"), m.decoder(m.HandshakeMessage).decode(payload)
 
-    def _handshake(self, config: EngineConfig, prefix_caching: bool, timeout_s: float) -> m.HandshakeReady:
+    def _handshake(self, config: EngineConfig, prefix_caching: bool, timeout_s: float) -> list[m.HandshakeReady]:
+        """Every rank: HELLO → init (the ranks then load in parallel) → READY. One failure fails all."""
         deadline = time.monotonic() + timeout_s
-        identity, hello = self._recv_handshake(deadline, "starting")
-        if not isinstance(hello, m.HandshakeHello):
-            raise EngineStartupError(f"unexpected handshake message {type(hello).__name__}")
-        self._identity = identity
-        init = m.HandshakeInit(self.output_address, config, prefix_caching)
-        self.input_socket.send_multipart([identity, self.encoder.encode(init)])
-        _, reply = self._recv_handshake(deadline, "loading the model")
-        if isinstance(reply, m.HandshakeFailed):
-            self.proc.join(timeout=5)
-            raise EngineStartupError(reply.message)
-        if not isinstance(reply, m.HandshakeReady):
-            raise EngineStartupError(f"unexpected handshake message {type(reply).__name__}")
-        logger.info("engine core ready (pid %d, %d KV blocks)", self.proc.pid, reply.num_blocks)
-        return reply
+        for _ in range(self.num_ranks):
+            rank, hello = self._recv_handshake(deadline, "starting")
+            if not isinstance(hello, m.HandshakeHello) or hello.rank != rank or rank >= self.num_ranks:
+                raise EngineStartupError(f"unexpected handshake message {type(hello).__name__} from rank {rank}")
+            # each rank draws its own seeds for unseeded requests
+            rank_config = config if rank == 0 else config.replace(seed=config.seed + rank)
+            init = m.HandshakeInit(self.output_address, rank_config, prefix_caching)
+            self.input_socket.send_multipart([m.rank_identity(rank), self.encoder.encode(init)])
+        ready: dict[int, m.HandshakeReady] = {}
+        while len(ready) < self.num_ranks:
+            rank, reply = self._recv_handshake(deadline, "loading the model")
+            if isinstance(reply, m.HandshakeFailed):
+                self.procs[rank].join(timeout=5)
+                where = "" if self.num_ranks == 1 else f"data-parallel rank {rank}: "
+                raise EngineStartupError(where + reply.message)
+            if not isinstance(reply, m.HandshakeReady):
+                raise EngineStartupError(f"unexpected handshake message {type(reply).__name__}")
+            logger.info("engine core%s ready (pid %d, %d KV blocks)", self._rank_label(rank),
+                        self.procs[rank].pid, reply.num_blocks)
+            ready[rank] = reply
+        return [ready[rank] for rank in range(self.num_ranks)]
 
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[m.EngineCoreOutputs], None],
               on_dead: Callable[[str], None]) -> None:
@@ -143,15 +203,32 @@ class EngineCoreClient:
                 self._report_dead(f"the engine output channel failed: {e}")
 
     def _monitor_thread(self) -> None:
-        """Waits for the core to exit and reaps it: the one thread that waits on the process once
-        started (two threads in waitpid would race), so shutdown() waits on this thread instead."""
-        while not multiprocessing.connection.wait([self.proc.sentinel], timeout=0.5):
-            pass
-        self.proc.join()  # it has exited: this returns at once
-        if not self._stopping.is_set():
-            self._report_dead(f"the engine core process died (exit code {self.proc.exitcode})")
+        """Waits for the cores to exit and reaps them: the one thread that waits on the processes
+        once started (two threads in waitpid would race), so shutdown() waits on this thread instead."""
+        alive = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while alive:
+            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5):
+                rank = alive.pop(sentinel)
+                proc = self.procs[rank]
+                proc.join()  # it has exited: this returns at once
+                if not self._stopping.is_set():
+                    self._report_dead(
+                        f"the engine core process died (exit code {proc.exitcode}){self._rank_label(rank)}")
 
     def _dispatch(self, outputs: m.EngineCoreOutputs) -> None:
+        rank = outputs.engine_index
+        if outputs.counts is not None:
+            self._loads.on_counts(rank, outputs.counts)
+        for out in outputs.outputs:
+            if out.finished:
+                self._rank_of.pop(out.req_id, None)
+        if outputs.wave_complete is not None and outputs.wave_complete >= self.wave:
+            self.wave, self.wave_running = outputs.wave_complete + 1, False
+        if outputs.start_wave is not None:
+            try:
+                self._start_wave(outputs.start_wave)
+            except EngineDeadError:  # reported already
+                pass
         res = outputs.utility_output
         if res is not None:
             fut = self._pending_calls.pop(res.call_id, None)
@@ -185,64 +262,102 @@ class EngineCoreClient:
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def _send(self, kind: m.RequestType, payload: Any) -> None:
+    def _send(self, rank: int, kind: m.RequestType, payload: Any) -> None:
         try:
             self.input_socket.send_multipart(
-                [self._identity, kind.value, self.encoder.encode(payload)], flags=zmq.NOBLOCK
+                [m.rank_identity(rank), kind.value, self.encoder.encode(payload)], flags=zmq.NOBLOCK
             )
         except zmq.ZMQError as e:  # EHOSTUNREACH: the core is gone
-            self._report_dead(f"cannot reach the engine core: {e}")
-            raise EngineDeadError(f"cannot reach the engine core: {e}") from None
+            reason = f"cannot reach the engine core{self._rank_label(rank)}: {e}"
+            self._report_dead(reason)
+            raise EngineDeadError(reason) from None
 
-    def add_request(self, request: m.EngineCoreRequest) -> None:
-        self._send(m.RequestType.ADD, request)
+    def add_request(self, request: m.EngineCoreRequest, rank: int | None = None) -> int:
+        """Send a request to `rank` (default: the least loaded one); returns the rank."""
+        if rank is None:
+            rank = self._loads.pick()
+        if self.wave_mode and not self.wave_running:
+            self._start_wave(self.wave)
+        self._send(rank, m.RequestType.ADD, request)
+        self._loads.on_sent(rank)
+        self._rank_of[request.request_id] = rank
+        return rank
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank holding a request that was sent and not seen finished (None for any other)."""
+        return self._rank_of.get(request_id)
+
+    def _start_wave(self, wave: int) -> None:
+        """Every rank steps wave `wave` (a rank already stepping it ignores this)."""
+        if wave < self.wave or (wave == self.wave and self.wave_running):
+            return
+        self.wave, self.wave_running = wave, True
+        for rank in range(self.num_ranks):
+            self._send(rank, m.RequestType.START_WAVE, wave)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._send(m.RequestType.ABORT, list(request_ids))
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            rank = self._rank_of.pop(request_id, None)
+            if rank is not None:  # else: already finished in its core
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self._send(rank, m.RequestType.ABORT, ids)
 
-    async def call_utility(self, method: str, *args, timeout: float = 10.0) -> Any:
-        """Run an engine-core method by name (core_proc.UTILITY_METHODS); raises on failure or timeout."""
+    async def call_utility(self, method: str, *args, timeout: float = 10.0, rank: int = 0) -> Any:
+        """Run an engine-core method by name (EngineCoreProc.utility_methods) on one rank; raises on
+        failure or timeout."""
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = fut
         try:
-            self._send(m.RequestType.UTILITY, m.UtilityCall(call_id, method, tuple(args)))
+            self._send(rank, m.RequestType.UTILITY, m.UtilityCall(call_id, method, tuple(args)))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"engine core utility call {method!r} timed out after {timeout} s") from None
+            raise TimeoutError(f"engine core utility call {method!r} timed out after {timeout} s"
+                               f"{self._rank_label(rank)}") from None
         finally:
             self._pending_calls.pop(call_id, None)
+
+    async def call_utility_all(self, method: str, *args, timeout: float = 10.0) -> list[Any]:
+        """call_utility on every rank at once: the results by rank."""
+        calls = (self.call_utility(method, *args, timeout=timeout, rank=rank) for rank in range(self.num_ranks))
+        return list(await asyncio.gather(*calls))
 
     # ---- shutdown -----------------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the core (SIGTERM, then SIGKILL after timeout_s), the threads and the sockets."""
+        """Stop the cores (SIGTERM, then SIGKILL after timeout_s), the threads and the sockets."""
         self._stopping.set()
-        proc = self.proc
+        started = [proc for proc in self.procs if proc.pid is not None]
         monitor = next((t for t in self._threads if t.name.endswith("monitor")), None)
 
         def exited(timeout: float) -> bool:
-            if monitor is not None:  # the monitor reaps the process
+            if monitor is not None:  # the monitor reaps the processes
                 monitor.join(timeout)
                 return not monitor.is_alive()
-            proc.join(timeout)
-            return not proc.is_alive()
+            deadline = time.monotonic() + timeout
+            for proc in started:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            return not any(proc.is_alive() for proc in started)
 
-        if proc.pid is not None and not exited(0):
-            try:
-                os.kill(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            if not exited(timeout_s):
-                logger.warning("engine core did not stop within %.0f s; killing it", timeout_s)
+        def signal_all(signum: int) -> None:
+            for proc in started:
                 try:
-                    os.kill(proc.pid, signal.SIGKILL)
+                    os.kill(proc.pid, signum)
                 except ProcessLookupError:
                     pass
+
+        if not exited(0):
+            signal_all(signal.SIGTERM)
+            if not exited(timeout_s):
+                logger.warning("engine core did not stop within %.0f s; killing it", timeout_s)
+                signal_all(signal.SIGKILL)
                 exited(5)
         for t in self._threads:
             t.join(timeout=1.0)
+        if self.coordinator is not None:
+            self.coordinator.close()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.ctx.term()

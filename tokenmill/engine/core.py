@@ -6,13 +6,18 @@ import logging
 import random
 import time
 
+import jax
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.distributed.mesh import check_model_fits, make_mesh
+from tokenmill.executor import distributed_executor_backend
+from tokenmill.model.loader import LoadedModel, load_config, load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.compilation_cache import enable_compilation_cache
 from tokenmill.worker.memory import free_device_memory
+from tokenmill.model.quantize import quantize_experts
 from tokenmill.worker.model_runner import ModelRunner, compute_dtype, kv_block_bytes
 
 logger = logging.getLogger(__name__)
@@ -22,6 +27,7 @@ def determine_num_blocks(config: EngineConfig, model: LoadedModel) -> int:
     """KV blocks from the memory budget: `kv_cache_memory` bytes, or a fraction of free memory.
 
     Never more than max_num_seqs requests at max_model_len could use at once (plus the null block).
+    On CPU the data-parallel ranks share the host's memory: each takes its share of the fraction.
     """
     cache, sched = config.cache, config.scheduler
     if cache.num_blocks is not None:
@@ -30,6 +36,8 @@ def determine_num_blocks(config: EngineConfig, model: LoadedModel) -> int:
     budget = cache.kv_cache_memory
     if budget is None:
         budget = int(free_device_memory() * cache.kv_cache_memory_fraction)
+        if jax.default_backend() == "cpu":
+            budget //= config.parallel.data_parallel_size
     blocks_per_seq = -(-sched.max_model_len // cache.block_size)
     num_blocks = min(budget // block_bytes, sched.max_num_seqs * blocks_per_seq + 1)
     if num_blocks < blocks_per_seq + 1:
@@ -41,11 +49,37 @@ def determine_num_blocks(config: EngineConfig, model: LoadedModel) -> int:
     return int(num_blocks)
 
 
+def prepare_model(config: EngineConfig, model: LoadedModel | None) -> LoadedModel:
+    """The model to run: `model`, else the checkpoint at config.model; experts quantized if asked.
+    Runs where the weights are placed: in the engine, or in each host's worker (worker/worker.py)."""
+    model = model if model is not None else load_model(config.model)
+    if config.expert_quantization and not model.config.expert_quantization:
+        model = quantize_experts(model, config.expert_quantization, config.expert_quantization_window)
+        logger.info("experts quantized at load time to %s, one scale per %d rows",
+                    config.expert_quantization, config.expert_quantization_window)
+    return model
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, enable_prefix_caching: bool = True):
         enable_compilation_cache()
         self.config = config
-        self.model = model if model is not None else load_model(config.model)
+        parallel = config.parallel
+        on_ray = distributed_executor_backend(parallel) == "ray"
+        # refuse impossible parallel sizes before minutes of loading (on Ray the workers make the mesh)
+        mesh = None if on_ray else make_mesh(parallel.tensor_parallel_size)
+        check_model_fits(model.config if model is not None else load_config(config.model),
+                         parallel.tensor_parallel_size, parallel.enable_expert_parallel)
+        if on_ray:
+            from tokenmill.executor.ray import RayExecutor  # Ray is an optional dependency
+
+            # one worker per host loads, shards and steps the model; this process only schedules.
+            # The executor steps like a ModelRunner: execute_model, launch / finish.
+            self.runner = RayExecutor(config, model)
+            self.model, num_blocks = self.runner.model, self.runner.num_blocks
+        else:
+            self.model = prepare_model(config, model)
+            num_blocks = determine_num_blocks(config, self.model)
         cfg = self.model.config
         sched = config.scheduler
         if sched.max_model_len > cfg.max_position_embeddings:
@@ -53,15 +87,15 @@ class EngineCore:
                 "max_model_len %d exceeds the model's max_position_embeddings %d",
                 sched.max_model_len, cfg.max_position_embeddings,
             )
-        num_blocks = determine_num_blocks(config, self.model)
         block_size = config.cache.block_size
         logger.info(
             "KV cache: %d blocks = %d tokens; max concurrency %.1fx at max_model_len %d",
             num_blocks, num_blocks * block_size, (num_blocks - 1) * block_size / sched.max_model_len,
             sched.max_model_len,
         )
-        self.runner = ModelRunner(self.model, sched, config.cache, num_blocks, config.dtype)
-        self.runner.precompile()
+        if not on_ray:  # the Ray workers have built and compiled theirs
+            self.runner = ModelRunner(self.model, sched, config.cache, num_blocks, config.dtype, mesh=mesh)
+            self.runner.precompile()
         self.scheduler = Scheduler(sched, config.cache, num_blocks, enable_prefix_caching=enable_prefix_caching)
         self._rng = random.Random(config.seed)
         self.num_blocks = num_blocks
@@ -69,6 +103,7 @@ class EngineCore:
         # the scheduler's own host time (schedule + update_from_output), for the benchmarks
         self.scheduler_host_time = 0.0
         self.num_steps = 0
+        self.num_forward_steps = 0  # steps that ran the model on scheduled tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""
@@ -130,6 +165,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.scheduler_host_time += time.perf_counter() - start
         self.num_steps += 1
+        if scheduler_output.num_scheduled_tokens:  # both step functions run the model on these
+            self.num_forward_steps += 1
         return scheduler_output
 
     def _update(self, scheduler_output, runner_output):
@@ -137,6 +174,11 @@ class EngineCore:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.scheduler_host_time += time.perf_counter() - start
         return updates
+
+    def execute_dummy_batch(self) -> None:
+        """What an idle data-parallel rank runs so that the ranks of one expert-parallel model step
+        together (see ModelRunner.execute_dummy_batch)."""
+        self.runner.execute_dummy_batch()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

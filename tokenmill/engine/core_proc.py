@@ -10,6 +10,10 @@ Aborts are applied as soon as the busy loop sees them, before the next step. A f
 loop sends ENGINE_CORE_DEAD and exits 1. SIGTERM/SIGINT stop the loop between steps and exit 0.
 The process also exits if its parent dies (it polls os.getppid()).
 
+Data parallel: each rank is one such process. Every message it sends carries its rank and its load
+(RankCounts), and it sends its load alone when that changed with nothing else to carry it. Ranks in
+wave mode run DPWaveEngineCoreProc (dp_core_proc.py) instead.
+
 This module is imported by the front end (to name the process target), so it imports nothing heavy
 at module level: JAX comes in with EngineCore, inside the child only.
 """
@@ -37,17 +41,20 @@ HANDSHAKE_TIMEOUT_S = 60.0
 POLL_S = 0.1
 # After the parent has died: how long to try to exit cleanly before os._exit.
 ORPHAN_GRACE_S = 3.0
-# Utility methods the front end may call by name.
-UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "num_unfinished_requests")
 
 _STOP = object()
 
 
 class EngineCoreProc:
-    def __init__(self, input_address: str, parent_pid: int):
+    # Utility methods the front end may call by name.
+    utility_methods = ("get_stats", "reset_prefix_cache", "num_unfinished_requests")
+
+    def __init__(self, input_address: str, parent_pid: int, rank: int = 0):
         self.parent_pid = parent_pid
+        self.rank = rank
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.DEALER)
+        self.input_socket.setsockopt(zmq.IDENTITY, m.rank_identity(rank))
         self.input_socket.setsockopt(zmq.LINGER, 0)
         self.input_socket.connect(input_address)
         self.output_socket: zmq.Socket | None = None
@@ -57,6 +64,8 @@ class EngineCoreProc:
         self.encoder = m.encoder()
         self.engine = None
         self.num_aborted = 0
+        self.num_received = 0  # requests received in all (the front end's load balancing counts them)
+        self._published_counts: m.RankCounts | None = None
         self._threads: list[threading.Thread] = []
 
     # ---- start-up ---------------------------------------------------------------------------------
@@ -64,7 +73,7 @@ class EngineCoreProc:
     def handshake_and_start(self) -> bool:
         """HELLO → init → build the engine → READY (or FAILED). False if the core must exit."""
         decoder = m.decoder(m.HandshakeMessage)
-        self.input_socket.send(self.encoder.encode(m.HandshakeHello(pid=os.getpid())))
+        self.input_socket.send(self.encoder.encode(m.HandshakeHello(pid=os.getpid(), rank=self.rank)))
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while not self.input_socket.poll(int(POLL_S * 1000)):
             if time.monotonic() > deadline or self._orphaned() or self.stop.is_set():
@@ -104,9 +113,10 @@ class EngineCoreProc:
     # ---- IO threads -------------------------------------------------------------------------------
 
     def _input_thread(self) -> None:
-        add, abort, utility = m.decoder(m.EngineCoreRequest), m.decoder(list[str]), m.decoder(m.UtilityCall)
-        decoders = {m.RequestType.ADD.value: add, m.RequestType.ABORT.value: abort,
-                    m.RequestType.UTILITY.value: utility}
+        decoders = {m.RequestType.ADD.value: m.decoder(m.EngineCoreRequest),
+                    m.RequestType.ABORT.value: m.decoder(list[str]),
+                    m.RequestType.UTILITY.value: m.decoder(m.UtilityCall),
+                    m.RequestType.START_WAVE.value: m.decoder(int)}
         sock = self.input_socket
         try:
             while not self.stop.is_set():
@@ -153,21 +163,48 @@ class EngineCoreProc:
 
     # ---- busy loop --------------------------------------------------------------------------------
 
+    def _step_fn(self):
+        # async scheduling: launch step N+1 before collecting step N (EngineCore.step_with_batch_queue)
+        engine = self.engine
+        return engine.step_with_batch_queue if engine.config.async_scheduling else engine.step
+
     def run_busy_loop(self) -> None:
         engine = self.engine
-        # async scheduling: launch step N+1 before collecting step N (EngineCore.step_with_batch_queue)
-        step = engine.step_with_batch_queue if engine.config.async_scheduling else engine.step
+        step = self._step_fn()
         while not self.stop.is_set():
             self._process_input_queue()
             if self.stop.is_set() or not engine.has_unfinished_requests():
+                self._publish_counts_if_changed()
                 continue
-            updates = step()
-            if updates:
-                self.output_queue.put(m.EngineCoreOutputs(
-                    outputs=[m.output_from_update(u) for u in updates], timestamp=time.time()))
+            self._publish_updates(step())
+
+    def _publish(self, outputs: m.EngineCoreOutputs) -> None:
+        """Send a message, stamped with this rank and its load."""
+        outputs.engine_index = self.rank
+        outputs.counts = self._published_counts = self._counts()
+        outputs.timestamp = time.time()
+        self.output_queue.put(outputs)
+
+    def _publish_updates(self, updates) -> None:
+        if updates:
+            self._publish(m.EngineCoreOutputs(outputs=[m.output_from_update(u) for u in updates]))
+        else:
+            self._publish_counts_if_changed()
+
+    def _publish_counts_if_changed(self) -> None:
+        if self._counts() != self._published_counts:
+            self._publish(m.EngineCoreOutputs())
+
+    def _counts(self) -> m.RankCounts:
+        scheduler = self.engine.scheduler
+        return m.RankCounts(len(scheduler.waiting), len(scheduler.running), self.num_received)
+
+    def _idle(self) -> bool:
+        """Nothing to step: the busy loop blocks on its input queue."""
+        return not self.engine.has_unfinished_requests()
 
     def _process_input_queue(self) -> None:
-        if not self.engine.has_unfinished_requests():
+        if self._idle():
             while not self.stop.is_set():  # idle: block for the next message
                 try:
                     self._handle(*self.input_queue.get(timeout=POLL_S))
@@ -183,28 +220,31 @@ class EngineCoreProc:
 
     def _handle(self, kind: bytes, msg) -> None:
         if kind == m.RequestType.ADD.value:
+            self.num_received += 1
             try:
                 params = m.params_from_dict(msg.sampling_params)
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
             except (ValueError, TypeError) as e:
                 # the front end validates first; this is the core refusing what slipped through
-                self.output_queue.put(m.EngineCoreOutputs(outputs=[m.EngineCoreOutput(
+                self._publish(m.EngineCoreOutputs(outputs=[m.EngineCoreOutput(
                     req_id=msg.request_id, new_token_ids=[], finished=True, finish_reason="abort",
-                    error=str(e))], timestamp=time.time()))
+                    error=str(e))]))
         elif kind == m.RequestType.ABORT.value:
             before = self.engine.scheduler.get_num_unfinished_requests()
             self.engine.abort_requests(msg)
             self.num_aborted += before - self.engine.scheduler.get_num_unfinished_requests()
         elif kind == m.RequestType.UTILITY.value:
-            self.output_queue.put(m.EngineCoreOutputs(utility_output=self._call_utility(msg),
-                                                      timestamp=time.time()))
-        else:  # the input thread died
+            self._publish(m.EngineCoreOutputs(utility_output=self._call_utility(msg)))
+        elif kind == b"fatal":  # the input thread died
             raise RuntimeError(f"engine core input thread failed: {msg}")
+        else:
+            raise RuntimeError(f"engine core got a {kind!r} message it does not handle")
 
     def _call_utility(self, call: m.UtilityCall) -> m.UtilityResult:
         try:
-            if call.method not in UTILITY_METHODS:
-                raise ValueError(f"unknown utility method {call.method!r}; known: {', '.join(UTILITY_METHODS)}")
+            known = self.utility_methods
+            if call.method not in known:
+                raise ValueError(f"unknown utility method {call.method!r}; known: {', '.join(known)}")
             result = getattr(self, f"_utility_{call.method}")(*call.args)
             return m.UtilityResult(call_id=call.call_id, result=result)
         except Exception as e:  # noqa: BLE001 - a failed call is reported, not fatal
@@ -214,7 +254,10 @@ class EngineCoreProc:
         stats = self.engine.get_stats()
         stats = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
         stats["num_aborted_requests"] = self.num_aborted
+        stats["num_requests_received"] = self.num_received
         stats["num_blocks"] = self.engine.num_blocks
+        stats["num_steps"] = self.engine.num_steps
+        stats["scheduler_host_time_s"] = self.engine.scheduler_host_time
         return stats
 
     def _utility_reset_prefix_cache(self) -> bool:
@@ -245,13 +288,22 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(input_address: str, parent_pid: int) -> None:
-    """The spawned process's entry point. Exit codes: 0 clean stop, 1 start-up failure or fatal error."""
-    from tokenmill import envs
+def run_engine_core(input_address: str, parent_pid: int, rank: int = 0, visible_devices: str | None = None,
+                    coordinator_address: str | None = None) -> None:
+    """The spawned process's entry point. Exit codes: 0 clean stop, 1 start-up failure or fatal error.
 
+    `rank`: its data-parallel rank; `visible_devices`: its slice of the accelerators (dp_devices.py),
+    or None to keep the inherited environment; `coordinator_address`: the wave coordinator's, for a
+    rank that steps in waves (dp_core_proc.py).
+    """
+    from tokenmill import envs
+    from tokenmill.engine.dp_devices import DEVICE_ENV
+
+    if visible_devices is not None:  # before anything starts JAX's backends in this process
+        os.environ[DEVICE_ENV] = visible_devices
     logging.basicConfig(
         level=envs.TOKENMILL_LOGGING_LEVEL,
-        format=f"%(asctime)s %(levelname)s EngineCore[{os.getpid()}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s EngineCore[{os.getpid()}] rank {rank} %(name)s: %(message)s",
     )
     # Its own process group: a terminal's Ctrl-C reaches the front end only, which drains its requests
     # and then stops the core with SIGTERM (the core still exits if the front end dies, see above).
@@ -259,7 +311,12 @@ def run_engine_core(input_address: str, parent_pid: int) -> None:
         os.setpgrp()
     except OSError:
         pass
-    proc = EngineCoreProc(input_address, parent_pid)
+    if coordinator_address is None:
+        proc = EngineCoreProc(input_address, parent_pid, rank)
+    else:
+        from tokenmill.engine.dp_core_proc import DPWaveEngineCoreProc
+
+        proc = DPWaveEngineCoreProc(input_address, parent_pid, rank, coordinator_address)
 
     def _on_signal(signum, frame):  # stop between steps; the loop exits cleanly
         proc.stop.set()

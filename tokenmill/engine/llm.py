@@ -22,6 +22,11 @@ class LLM:
         loaded model (to build several engines over one set of weights)."""
         loaded = model if isinstance(model, LoadedModel) else None
         config, prefix_caching = engine_config_from_kwargs(loaded.source if loaded else model, **engine_args)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={config.parallel.data_parallel_size}: LLM runs one engine core in this "
+                "process; data-parallel engine cores run behind AsyncLLM (tokenmill serve, tokenmill bench)"
+            )
         self.engine = EngineCore(config, model=loaded, enable_prefix_caching=prefix_caching)
         self.processor = Processor(self.engine.model, config.scheduler.max_model_len)
         self._step = self.engine.step_with_batch_queue if config.async_scheduling else self.engine.step

@@ -5,9 +5,13 @@ connects a DEALER and a PUSH. Input messages are two frames, `[RequestType, payl
 messages are one frame: an encoded `EngineCoreOutputs`, or the raw `ENGINE_CORE_DEAD` sentinel.
 
 Handshake, on the input pair (so the ROUTER knows the core's identity before it sends anything):
-    core → HandshakeHello(pid)
+    core → HandshakeHello(pid, rank)
     front end → HandshakeInit(output address, engine config)
     core → HandshakeReady(num_blocks, ...)  or  HandshakeFailed(message)
+
+Data parallel: N cores (ranks) share the front end's two sockets; each core's DEALER identity is
+its rank (`rank_identity`), and every output message names its rank and carries its load
+(`RankCounts`). Ranks in wave mode also talk to the wave coordinator (WaveSync, dp_coordinator.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ class RequestType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
+    START_WAVE = b"\x03"  # payload: the wave number; ranks in wave mode start stepping it
+
+
+def rank_identity(rank: int) -> bytes:
+    """The ZMQ identity of data-parallel rank `rank`'s input socket."""
+    return rank.to_bytes(2, "little")
 
 
 # ---- requests in ---------------------------------------------------------------------------------
@@ -43,7 +53,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
-    method: str  # a name in core_proc.UTILITY_METHODS
+    method: str  # a name in EngineCoreProc.utility_methods
     args: tuple = ()
 
 
@@ -78,10 +88,42 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     failure_message: str | None = None
 
 
+class RankCounts(msgspec.Struct, array_like=True):
+    """A rank's load as the front end balances it: its scheduler's queues, and how many requests it
+    has received in all (the front end compares it with how many it sent: the rest are in transit)."""
+
+    num_waiting: int
+    num_running: int
+    num_received: int
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     utility_output: UtilityResult | None = None
+    engine_index: int = 0  # the data-parallel rank that sent it
+    counts: RankCounts | None = None
+    wave_complete: int | None = None  # wave mode: the ranks agreed that this wave is over; idle now
+    start_wave: int | None = None  # wave mode: an idle rank got a request; every rank must step this wave
+
+
+# ---- the wave collective (dp_coordinator.py) ------------------------------------------------------
+
+
+class WaveSync(msgspec.Struct, array_like=True):
+    """A rank's vote at one sync point of a wave: does it still have requests?"""
+
+    wave: int
+    sync_point: int  # the how-manieth sync of this wave (every WAVE_SYNC_STEPS steps)
+    has_work: bool
+
+
+class WaveSyncResult(msgspec.Struct, array_like=True):
+    """The OR of every rank's vote at that sync point: False ends the wave on every rank."""
+
+    wave: int
+    sync_point: int
+    any_work: bool
 
 
 # ---- handshake -----------------------------------------------------------------------------------
@@ -89,6 +131,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class HandshakeHello(msgspec.Struct, tag=True):
     pid: int
+    rank: int = 0
 
 
 class HandshakeInit(msgspec.Struct, tag=True):

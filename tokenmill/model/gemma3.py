@@ -18,10 +18,6 @@ from tokenmill.ops.attention import AttentionMetadata
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import inv_frequencies
 
-# A window no context reaches: what global layers use, so one scan body serves both kinds.
-_NO_WINDOW = np.iinfo(np.int32).max // 2
-
-
 def param_specs(cfg: ModelConfig) -> dict:
     specs = llama.param_specs(cfg)
     specs["layers"].update(post_attn_norm=P(None, None), post_ffn_norm=P(None, None))
@@ -38,7 +34,7 @@ def forward(
     inv_local = inv_frequencies(cfg.head_dim, cfg.rope_local_theta)
     per_layer = {
         "inv_freq": jnp.asarray(np.where(sliding[:, None], inv_local[None], inv_global[None])),
-        "window": jnp.asarray(np.where(sliding, cfg.sliding_window or _NO_WINDOW, _NO_WINDOW), jnp.int32),
+        "window": jnp.asarray(np.where(sliding, cfg.sliding_window or llama.NO_WINDOW, llama.NO_WINDOW), jnp.int32),
     }
     scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     x = params["embed"][input_ids]

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import gated_mlp
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.ops.moe import fused_moe
 from tokenmill.ops.norms import rms_norm
-from tokenmill.ops.rotary import apply_rotary, inv_frequencies
+from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
+
+# A window no context reaches: what full-attention layers use when others slide (one scan body).
+NO_WINDOW = np.iinfo(np.int32).max // 2
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -26,12 +31,21 @@ def param_specs(cfg: ModelConfig) -> dict:
         "wv": P(None, None, "model"),
         "wo": P(None, "model", None),
         "mlp_norm": P(None, None),
-        "w_gate": P(None, None, "model"),
-        "w_up": P(None, None, "model"),
-        "w_down": P(None, "model", None),
     }
+    if cfg.is_moe:  # experts over "model" (expert parallel), the router replicated
+        layers.update(router=P(None, None, None), w1=P(None, "model", None, None, None), w2=P(None, "model", None, None))
+        if cfg.moe_bias:
+            layers.update(router_bias=P(None, None), b1=P(None, "model", None, None), b2=P(None, "model", None))
+        if cfg.expert_quantization:
+            layers.update(w1_scale=P(None, "model", None, None, None), w2_scale=P(None, "model", None, None))
+    else:
+        layers.update(w_gate=P(None, None, "model"), w_up=P(None, None, "model"), w_down=P(None, "model", None))
     if cfg.attention_bias:
         layers.update(bq=P(None, "model"), bk=P(None, "model"), bv=P(None, "model"))
+    if cfg.o_proj_bias:
+        layers.update(bo=P(None, None))
+    if cfg.attention_sinks:
+        layers.update(sinks=P(None, "model"))
     if cfg.qk_norm:
         layers.update(q_norm=P(None, None), k_norm=P(None, None))
     specs = {"embed": P(None, None), "final_norm": P(None), "layers": layers}
@@ -57,8 +71,40 @@ def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, i
     q = apply_rotary(q, md.positions, inv_freq)
     k = apply_rotary(k, md.positions, inv_freq)
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
-    o = paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=window)
-    return o.reshape(T, -1) @ w["wo"], k_cache, v_cache
+    o = paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=window, sinks=w.get("sinks"))
+    o = o.reshape(T, -1) @ w["wo"]
+    if cfg.o_proj_bias:
+        o = o + w["bo"]
+    return o, k_cache, v_cache
+
+
+def feed_forward(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
+    """The dense gated MLP, or the mixture of experts: route each token to its top-k experts."""
+    if not cfg.is_moe:
+        return gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+    gating = jnp.dot(x, w["router"], preferred_element_type=jnp.float32)
+    if cfg.moe_bias:
+        gating = gating + w["router_bias"]
+    scale1, scale2 = w.get("w1_scale"), w.get("w2_scale")  # sub-channel quantized experts
+    mesh = jax.sharding.get_abstract_mesh()  # set by the runner: experts split over "model"
+    expert_parallel = not mesh.empty and "model" in mesh.axis_names and mesh.shape["model"] > 1
+    return fused_moe(
+        x, w["w1"], w["w2"], gating, cfg.num_experts_per_tok,
+        renormalize_topk_logits=cfg.norm_topk_prob, act_fn=cfg.moe_act, b1=w.get("b1"), b2=w.get("b2"),
+        w1_scale=scale1, w2_scale=scale2,
+        subc_quant_wsz=cfg.expert_quant_window or None,
+        mesh=mesh if expert_parallel else None, swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+    )
+
+
+def layer_windows(cfg: ModelConfig) -> tuple[int | None, jax.Array | None]:
+    """(one window for every layer, or None) and, when layers differ, a per-layer window array."""
+    sliding = cfg.sliding_layers()
+    if not any(sliding):
+        return None, None
+    if all(sliding):
+        return cfg.sliding_window, None
+    return None, jnp.asarray(np.where(sliding, cfg.sliding_window, NO_WINDOW), jnp.int32)
 
 
 def forward(
@@ -67,20 +113,25 @@ def forward(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Run the batch; returns (final hidden states [T, D] after the last norm, k_cache, v_cache)."""
     inv_freq = jnp.asarray(inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
-    scale = cfg.head_dim**-0.5
-    window = cfg.sliding_window if any(cfg.sliding_layers()) else None
+    # YaRN scales cos and sin, i.e. q and k: the scores by its square
+    scale = cfg.head_dim**-0.5 * rope_attention_factor(cfg.rope_scaling_dict) ** 2
+    window, per_layer_window = layer_windows(cfg)
     x = params["embed"][input_ids]
 
-    def layer_fn(carry, w):
+    def layer_fn(carry, xs):
         x, k_cache, v_cache, layer = carry
+        w, layer_window = xs
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        attn, k_cache, v_cache = attention_block(cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window)
+        attn, k_cache, v_cache = attention_block(
+            cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window
+        )
         x = x + attn
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+        x = x + feed_forward(cfg, w, h)
         return (x, k_cache, v_cache, layer + 1), None
 
-    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, (x, k_cache, v_cache, jnp.int32(0)), params["layers"])
+    carry = (x, k_cache, v_cache, jnp.int32(0))
+    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, carry, (params["layers"], per_layer_window))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k_cache, v_cache
 
 

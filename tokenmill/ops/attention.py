@@ -56,6 +56,7 @@ def paged_attention(
     *,
     scale: float,
     sliding_window: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q: [T, heads, head_dim] → [T, heads, head_dim]; see `paged_attention_ref` for the semantics."""
     backend = envs.TOKENMILL_ATTENTION_BACKEND
@@ -65,8 +66,12 @@ def paged_attention(
         if backend == "cpu_kernel" or (
             jax.default_backend() == "cpu" and cpu.usable_for(q, k_cache) and cpu.available()
         ):
-            return cpu.paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window)
-    return paged_attention_ref(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window)
+            return cpu.paged_attention(
+                q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window, sinks=sinks
+            )
+    return paged_attention_ref(
+        q, k_cache, v_cache, layer, md, scale=scale, sliding_window=sliding_window, sinks=sinks
+    )
 
 
 def paged_attention_ref(
@@ -78,11 +83,15 @@ def paged_attention_ref(
     *,
     scale: float,
     sliding_window: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q: [T, heads, head_dim] → [T, heads, head_dim].
 
     Token t attends to the cached keys at positions p of its request with
-    `p <= positions[t]` and, with a sliding window W, `p > positions[t] - W`.
+    `p <= positions[t]` and, with a sliding window W, `p > positions[t] - W`. `sinks` ([heads],
+    gpt-oss) are per-head logits that join every softmax denominator without a value: attention
+    may then put weight on "nothing". A token that sees no key at all gets the plain mean of V over
+    its block-table row, sinks or not (only padding tokens do; the kernel does the same).
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
@@ -105,7 +114,14 @@ def paged_attention_ref(
         if sliding_window is not None:
             visible &= key_pos > pos_t[:, None] - sliding_window
         scores = jnp.where(visible[:, None, None, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            head_sinks = sinks.reshape(kv_heads, -1).astype(jnp.float32)
+            sink = jnp.where(visible.any(-1)[:, None, None], head_sinks, -jnp.inf)  # [tile, kv_heads, group]
+            top = jnp.maximum(scores.max(-1), sink)[..., None]
+            e = jnp.exp(scores - top)
+            probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink[..., None] - top))
         out = jax.lax.dot_general(
             probs.astype(v.dtype), v, (((3,), (2,)), batch), preferred_element_type=jnp.float32
         )

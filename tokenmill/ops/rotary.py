@@ -28,9 +28,47 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv_freq = np.where(is_medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn(inv_freq, head_dim, theta, scaling)
     else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, yarn")
     return inv_freq.astype(np.float32)
+
+
+def _yarn(inv_freq: np.ndarray, head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp in between."""
+    factor = scaling["factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_ctx
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """YaRN's factor on cos and sin (so on q and k: the attention scores scale by its square); 1 otherwise."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:

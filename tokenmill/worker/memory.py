@@ -6,8 +6,9 @@ import jax
 
 
 def free_device_memory() -> int:
-    """Bytes free on the first device: allocator stats on GPU/TPU, MemAvailable on CPU."""
-    device = jax.devices()[0]
+    """Bytes free on this process's first device: allocator stats on GPU/TPU, MemAvailable on CPU.
+    (In a multi-host job jax.devices()[0] may be another host's.)"""
+    device = jax.local_devices()[0]
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:

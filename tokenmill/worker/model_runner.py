@@ -8,6 +8,7 @@ any later compilation into an error. Only sampled ids and requested logprobs com
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tokenmill import envs
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed.mesh import make_mesh
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.registry import get_model_module
 from tokenmill.ops.attention import AttentionMetadata
@@ -43,8 +45,27 @@ def compute_dtype(dtype: str = "auto"):
     return jnp.dtype(dtype)
 
 
-def single_device_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+_QUANTIZED_DTYPES = frozenset(jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+
+def param_dtype(name: str, x: np.ndarray, dtype):
+    """The device dtype of a weight: quantized weights keep their storage type and their scales
+    stay float32; everything else computes in `dtype`."""
+    if jnp.dtype(x.dtype) in _QUANTIZED_DTYPES or name.endswith("_scale"):
+        return x.dtype
+    return dtype
+
+
+def _under_mesh(method):
+    """Trace under the runner's mesh (`jax.set_mesh`): the ops that shard by hand (the attention
+    kernel, expert-parallel MoE) read it from there."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def kv_block_bytes(model: LoadedModel, block_size: int, dtype) -> int:
@@ -78,7 +99,7 @@ class ModelRunner:
     ):
         self.cfg = model.config
         self.module = get_model_module(self.cfg)
-        self.mesh = mesh or single_device_mesh()
+        self.mesh = mesh or make_mesh(1)
         self.dtype = compute_dtype(dtype)
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -90,8 +111,10 @@ class ModelRunner:
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, max_blocks_per_req)
 
         specs = self.module.param_specs(self.cfg)
-        self.params = jax.tree.map(
-            lambda x, spec: jax.device_put(np.asarray(x, dtype=self.dtype), NamedSharding(self.mesh, spec)),
+        self.params = jax.tree.map_with_path(
+            lambda path, x, spec: jax.device_put(
+                np.asarray(x, dtype=param_dtype(path[-1].key, x, self.dtype)), NamedSharding(self.mesh, spec)
+            ),
             model.params,
             specs,
         )
@@ -150,6 +173,7 @@ class ModelRunner:
     def _sampler_cache_size(self) -> int:
         return self._sample._cache_size() + self._prompt_logprobs._cache_size()
 
+    @_under_mesh
     def precompile(self) -> None:
         """Compile every bucket now, so that serving never stops to compile."""
         if envs.TOKENMILL_SKIP_PRECOMPILE:
@@ -194,6 +218,16 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    @_under_mesh
+    def execute_dummy_batch(self) -> None:
+        """One forward over the smallest shape bucket with padding inputs only: it writes no KV (the
+        slots are out of range) and its output is dropped."""
+        num_tokens, width = self.token_buckets[0], self.block_buckets[0]
+        step = self._executable(num_tokens, width)
+        inputs = self._dummy_inputs(num_tokens, self._rows_for(num_tokens), width)
+        logits, _, self.k_cache, self.v_cache = step(self.params, self.k_cache, self.v_cache, *inputs)
+        logits.block_until_ready()
+
     def _update_batch(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.batch.remove(req_id)
@@ -206,6 +240,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.finish(self.launch(so))
 
+    @_under_mesh
     def launch(self, so: SchedulerOutput) -> StepInFlight:
         """Prepare and dispatch one step without waiting for it (JAX dispatches asynchronously).
 

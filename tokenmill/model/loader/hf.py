@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tokenmill.config import ModelConfig
 
 from .errors import ModelLoadError
+from .hf_experts import ROUTER_NAMES, HFExperts
 from .layout import assemble
 
 # Gemma3ForConditionalGeneration keeps the text model under a prefix (two spellings across
@@ -30,6 +31,8 @@ _LAYER_NAMES = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
+    "bo": "self_attn.o_proj.bias",  # gpt-oss
+    "sinks": "self_attn.sinks",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
     "post_attn_norm": "post_attention_layernorm.weight",  # gemma3
@@ -144,10 +147,13 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype) -> dict:
             return _TOP_NAMES[key]
         if key == "mlp_norm":  # the norm in front of the MLP has a different name per family
             leaf = "pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"
+        elif key in ("router", "router_bias"):
+            leaf = ROUTER_NAMES[cfg.architecture][key == "router_bias"]
         else:
             leaf = _LAYER_NAMES[key]
         return f"model.layers.{i}.{leaf}"
 
     with contextlib.ExitStack() as stack:
         source = _SafetensorsSource(path, stack)
-        return assemble(cfg, source, tensor_name, dtype, norm_offset=1.0)
+        experts = HFExperts(cfg, source) if cfg.is_moe else None
+        return assemble(cfg, source, tensor_name, dtype, norm_offset=1.0, experts=experts)

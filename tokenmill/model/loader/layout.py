@@ -17,7 +17,10 @@ from tokenmill.config import ModelConfig
 from .errors import ModelLoadError
 
 # Linear weights: stored [out, in] in checkpoints, kept [in, out] in params.
-MATRICES = frozenset({"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+MATRICES = frozenset({"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router"})
+# Mixture-of-experts weights, assembled by the format (from per-expert or fused tensors) straight
+# into params orientation: w1 [E, 2, D, F] (gate, up), w2 [E, F, D], b1 [E, 2, F], b2 [E, D].
+EXPERTS = frozenset({"w1", "w2", "b1", "b2"})
 # Gemma RMSNorm scales x by (1 + w); params hold the effective multiplier 1 + w.
 GEMMA_NORMS = frozenset(
     {"final_norm", "attn_norm", "post_attn_norm", "mlp_norm", "post_ffn_norm", "q_norm", "k_norm"}
@@ -39,7 +42,17 @@ def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
     layer["mlp_norm"] = (d,)
     if cfg.family == "gemma3":
         layer |= {"post_attn_norm": (d,), "post_ffn_norm": (d,)}
-    layer |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    if cfg.o_proj_bias:
+        layer["bo"] = (d,)
+    if cfg.attention_sinks:
+        layer["sinks"] = (cfg.num_heads,)
+    if cfg.is_moe:
+        e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        layer |= {"router": (d, e), "w1": (e, 2, d, fe), "w2": (e, fe, d)}
+        if cfg.moe_bias:
+            layer |= {"router_bias": (e,), "b1": (e, 2, fe), "b2": (e, d)}
+    else:
+        layer |= {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
     return top, layer
 
 
@@ -54,6 +67,15 @@ class Source(Protocol):
     def read(self, name: str) -> np.ndarray: ...
 
 
+class Experts(Protocol):
+    """A checkpoint's expert tensors (keys in EXPERTS) of one layer, in params orientation."""
+
+    def check(self, key: str, layer: int, shape: tuple[int, ...]) -> None:
+        """Raise ModelLoadError unless the tensors that make up `key` exist and fit `shape`."""
+
+    def read(self, key: str, layer: int) -> np.ndarray: ...
+
+
 TensorName = Callable[[str, "int | None"], str]  # (params key, layer index or None) -> source name
 Fix = Callable[[str, np.ndarray], np.ndarray]  # (params key, source-oriented array) -> fixed array
 
@@ -66,6 +88,7 @@ def assemble(
     *,
     norm_offset: float = 0.0,
     fix: Fix | None = None,
+    experts: Experts | None = None,
 ) -> dict:
     """Read every tensor the config calls for into a fresh params dict.
 
@@ -78,21 +101,29 @@ def assemble(
     wanted = [(k, None, s) for k, s in top.items()]
     wanted += [(k, i, s) for i in range(cfg.num_layers) for k, s in layer.items()]
     for key, i, shape in wanted:
+        if key in EXPERTS:
+            if experts is None:
+                raise ModelLoadError(f"{source.where}: mixture-of-experts weights are not supported in this format")
+            experts.check(key, i, shape)
+            continue
         name = tensor_name(key, i)
         expect = shape[::-1] if key in MATRICES else shape
         got = source.shape(name)
         if got is None:
             raise ModelLoadError(f"{source.where}: missing tensor {name!r} (needed for {cfg.architecture})")
         if tuple(got) != expect:
+            experts = f", num_experts={cfg.num_experts}" if cfg.is_moe else ""
             raise ModelLoadError(
                 f"{source.where}: tensor {name!r} has shape {tuple(got)}, but the model config "
                 f"(hidden_size={cfg.hidden_size}, heads={cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}, "
-                f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}) needs {expect}"
+                f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}{experts}) needs {expect}"
             )
 
     offset = norm_offset if cfg.family == "gemma3" else 0.0
 
     def load(key: str, i: int | None) -> np.ndarray:
+        if key in EXPERTS:
+            return experts.read(key, i)
         arr = source.read(tensor_name(key, i))
         if fix is not None:
             arr = fix(key, arr)

@@ -51,18 +51,19 @@ def usable_for(q: jax.Array, k_cache: jax.Array) -> bool:
     return k_cache.shape[3] % _model_axis_size() == 0
 
 
-def _call(q, k_cache, v_cache, layer, window, positions, token_request, block_tables, *, scale):
+def _call(q, k_cache, v_cache, layer, window, positions, token_request, block_tables, sinks, *, scale):
     return jax.ffi.ffi_call(PAGED_ATTENTION.target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        q, k_cache, v_cache, layer, window, positions, token_request, block_tables, scale=np.float32(scale)
+        q, k_cache, v_cache, layer, window, positions, token_request, block_tables, sinks, scale=np.float32(scale)
     )
 
 
-def paged_attention(q, k_cache, v_cache, layer, md, *, scale: float, sliding_window=None) -> jax.Array:
+def paged_attention(q, k_cache, v_cache, layer, md, *, scale: float, sliding_window=None, sinks=None) -> jax.Array:
     """q: [T, heads, head_dim] → [T, heads, head_dim], as `paged_attention_ref`. Raises if the kernel
     could not be built."""
     if not available():
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {build_error()}")
     window = _NO_WINDOW if sliding_window is None else sliding_window
+    sinks = jnp.full((q.shape[1],), -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     args = (
         q,
         k_cache,
@@ -72,12 +73,14 @@ def paged_attention(q, k_cache, v_cache, layer, md, *, scale: float, sliding_win
         jnp.asarray(md.positions, jnp.int32),
         jnp.asarray(md.token_request, jnp.int32),
         jnp.asarray(md.block_tables, jnp.int32),
+        sinks,
     )
     fn = lambda *a: _call(*a, scale=scale)  # noqa: E731
     if _model_axis_size() > 1:
         heads = P(None, _MODEL_AXIS, None)
         cache = P(None, None, None, _MODEL_AXIS, None)
         fn = jax.shard_map(
-            fn, in_specs=(heads, cache, cache, P(), P(), P(), P(), P()), out_specs=heads, check_vma=False
+            fn, in_specs=(heads, cache, cache, P(), P(), P(), P(), P(), P(_MODEL_AXIS)), out_specs=heads,
+            check_vma=False,
         )
     return fn(*args)

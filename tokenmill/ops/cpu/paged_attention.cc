@@ -4,7 +4,8 @@
 // attends to the keys of its request (row token_request[t] of block_tables) at context positions
 // p with p <= positions[t] and, with a window W, p > positions[t] - W. K/V rows are read in place
 // from the full cache [layers, num_blocks, block_size, kv_heads, head_dim] through the block
-// table: nothing is gathered. Online softmax over chunks of the context, fp32 accumulation.
+// table: nothing is gathered. Online softmax over chunks of the context, fp32 accumulation;
+// per-head sink logits (gpt-oss) join each denominator at the end.
 // Query heads are grouped per KV head (GQA): one work item is a token and one or all of its kv
 // heads, and the items are spread over XLA's intra-op thread pool.
 //
@@ -275,6 +276,7 @@ struct Problem {
   int64_t layer;
   int64_t window;  // visible: p > pos - window (int32 max when there is none)
   float scale;
+  const float* sinks;  // [H]: per-head logits in every softmax denominator (-inf: none)
   int64_t span;  // kv heads per work item (1 or KVH)
   const int32_t* positions;
   const int32_t* token_request;
@@ -376,8 +378,10 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     for (int64_t k = 0; k < pb.span; ++k)
       pv_all<KT>(s + k * G * kChunk, cv, (kh0 + k) * D, n, G, D, acc + k * G * D);
   }
+  const float* sink = pb.sinks + kh0 * G;
   for (int64_t g = 0; g < heads; ++g) {
-    const float inv = 1.0f / l[g];
+    // a sink adds exp(sink - m) to the denominator (nothing to V); none for tokens that see no key
+    const float inv = 1.0f / (uniform ? l[g] : l[g] + std::exp(sink[g] - m[g]));
     for (int64_t d = 0; d < D; ++d) store_f32(acc[g * D + d] * inv, ot + g * D + d);
   }
 }
@@ -444,7 +448,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> positions,
                               ffi::Buffer<ffi::S32> token_request, ffi::Buffer<ffi::S32> block_tables,
-                              ffi::Result<ffi::AnyBuffer> out, float scale) {
+                              ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float scale) {
   auto qd = q.dimensions();
   auto kd = k_cache.dimensions();
   auto bd = block_tables.dimensions();
@@ -462,7 +466,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   if (kd[4] != pb.D || pb.KVH <= 0 || pb.H % pb.KVH != 0 || L <= 0 || pb.N <= 0 || pb.B <= 0)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent head_dim / head counts / cache shape");
   if (positions.element_count() != size_t(pb.T) || token_request.element_count() != size_t(pb.T) ||
-      layer.element_count() != 1 || window.element_count() != 1)
+      layer.element_count() != 1 || window.element_count() != 1 || sinks.element_count() != size_t(pb.H))
     return ffi::Error::InvalidArgument("paged_attention: bad metadata shapes");
   if (pb.T > 0 && pb.R <= 0) return ffi::Error::InvalidArgument("paged_attention: empty block table");
   if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
@@ -471,6 +475,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pb.layer = wrap_clamp(layer.typed_data()[0], L);
   pb.window = window.typed_data()[0];
   pb.scale = scale;
+  pb.sinks = sinks.typed_data();
   pb.positions = positions.typed_data();
   pb.token_request = token_request.typed_data();
   pb.block_tables = block_tables.typed_data();
@@ -509,5 +514,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // token_request [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [R, M]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [H] (-inf: none)
                                   .Ret<ffi::AnyBuffer>()  // out [T, H, D], dtype of q
                                   .Attr<float>("scale"));
