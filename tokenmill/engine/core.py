@@ -14,10 +14,10 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.distributed.mesh import check_model_fits, make_mesh
 from tokenmill.executor import distributed_executor_backend
 from tokenmill.model.loader import LoadedModel, load_config, load_model
+from tokenmill.model.quantize import quantize_experts
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.compilation_cache import enable_compilation_cache
 from tokenmill.worker.memory import free_device_memory
-from tokenmill.model.quantize import quantize_experts
 from tokenmill.worker.model_runner import ModelRunner, compute_dtype, kv_block_bytes
 
 logger = logging.getLogger(__name__)
