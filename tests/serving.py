@@ -115,6 +115,18 @@ def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
     return out
 
 
+async def drain_until_dead(gen):
+    """Consume a generate() stream; the EngineDeadError it ends with, or None if it finished."""
+    from tokenmill.engine.async_llm import EngineDeadError
+
+    try:
+        async for _ in gen:
+            pass
+    except EngineDeadError as e:
+        return e
+    return None
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:

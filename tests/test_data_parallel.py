@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from serving import wait_for
+from serving import drain_until_dead, wait_for
 from tests.tiny_models import make_tiny_checkpoint
 from tokenmill.engine import messages as m
 from tokenmill.sampling_params import SamplingParams
@@ -137,15 +137,7 @@ def test_dp2_killed_rank_fails_every_inflight_request_within_5_s(dp_engine, loop
         os.kill(dp_engine.client.pids[1], signal.SIGKILL)
         start = time.monotonic()
 
-        async def drain(g):
-            try:
-                async for _ in g:
-                    pass
-            except EngineDeadError as e:
-                return e
-            return None
-
-        errors = await asyncio.wait_for(asyncio.gather(*(drain(g) for g in gens)), timeout=10)
+        errors = await asyncio.wait_for(asyncio.gather(*(drain_until_dead(g) for g in gens)), timeout=10)
         return errors, time.monotonic() - start
 
     survivor = dp_engine.client.pids[0]

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from serving import SMALL_ENGINE_ARGS, ServerProcess, wait_for
+from serving import SMALL_ENGINE_ARGS, ServerProcess, drain_until_dead, wait_for
 from tokenmill.sampling_params import SamplingParams
 
 TINY_ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64)
@@ -217,15 +217,7 @@ def test_killed_core_fails_every_inflight_request_at_once(engine, loop):
         os.kill(engine.client.pid, signal.SIGKILL)
         start = time.monotonic()
 
-        async def drain(g):
-            try:
-                async for _ in g:
-                    pass
-            except EngineDeadError as e:
-                return e
-            return None
-
-        errors = await asyncio.wait_for(asyncio.gather(*(drain(g) for g in gens)), timeout=10)
+        errors = await asyncio.wait_for(asyncio.gather(*(drain_until_dead(g) for g in gens)), timeout=10)
         return errors, time.monotonic() - start
 
     errors, elapsed = loop.run_until_complete(scenario())
