@@ -43,6 +43,13 @@ VARIABLES: dict[str, _Var] = {
         "reference (always the jnp reference), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "reference", "cpu_kernel"),
     ),
+    "TOKENMILL_MOE_BACKEND": _Var(
+        str.lower,
+        "auto",
+        "fused MoE expert FFNs: auto (the C++ kernel on CPU for float32 experts when it builds, else jnp), "
+        "jnp (always the jnp tiles), cpu_kernel (always the C++ kernel; error if it cannot build)",
+        choices=("auto", "jnp", "cpu_kernel"),
+    ),
     "TOKENMILL_USE_MOE_EP_KERNEL": _Var(
         _bool,
         True,

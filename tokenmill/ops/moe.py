@@ -17,6 +17,14 @@ the expert outputs are summed, weighted by the routing weights.
   index (dequantizing them there, one expert at a time), gate/up matmuls, activation, down matmul,
   scatter-add of the weighted rows into the output.
 
+On CPU, with float32 tokens and unquantized float32 experts, the expert FFNs go to a C++ kernel
+instead (ops/cpu/moe_experts.cc, TOKENMILL_MOE_BACKEND): it takes the same sorted assignments
+(`expert_groups`) and reads each expert's weights in place, packed a panel at a time, with the next
+panel prefetched while the current one is multiplied. At the default `tokenmill bench moe` layer
+(Qwen3-30B-A3B shapes, 512 tokens) it took 0.26 s where the jnp tiles below took 0.44 s, on a
+2-core Xeon with AVX-512. The tiles remain the path for quantized experts and other platforms,
+and the kernel's test oracle.
+
 Why tiles and not `jax.lax.ragged_dot`: in jax 0.10.2 the CPU lowering of ragged_dot
 (`_ragged_dot_general_impl`; `jax_ragged_dot_use_ragged_dot_instruction` is TPU-only) densifies:
 it masks the rows into an [E, T*k, D] operand and multiplies it by every expert. Measured on this
@@ -50,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from tokenmill import envs
 from tokenmill.ops.activations import get_activation
+from tokenmill.ops.cpu import moe as cpu_moe
 
 # The row counts a tile is computed with (see the module docstring for why these).
 _TILE_SIZES = (1, 8, 32, 64, 128, 256)
@@ -235,6 +244,32 @@ def tile_sizes(num_assignments: int) -> tuple[int, ...]:
     return sizes + tuple(s for s in _TILE_SIZES if s >= num_assignments)[:1]
 
 
+class ExpertGroups(NamedTuple):
+    """The routed assignments to one device's experts, sorted by expert (stable: by token within one)."""
+
+    sorted_token: jax.Array  # i32[A]: the assignments' tokens; T for assignments to other devices' experts
+    sorted_weight: jax.Array  # f32[A]: their routing weights (0 for other devices')
+    group_sizes: jax.Array  # i32[num_local_experts]: how many assignments each local expert has
+
+
+def expert_groups(
+    weights: jax.Array, ids: jax.Array, num_local_experts: int, expert_start: jax.Array | int
+) -> ExpertGroups:
+    """Sort the [T, k] assignments by expert, keeping those to experts [expert_start,
+    expert_start + num_local_experts); the others sort last."""
+    num_tokens, top_k = ids.shape
+    # foreign assignments sort last, as group `num_local_experts`
+    local = ids.reshape(-1) - expert_start
+    local = jnp.where((local >= 0) & (local < num_local_experts), local, num_local_experts)
+    order = jnp.argsort(local, stable=True)
+    is_local = local[order] < num_local_experts
+    return ExpertGroups(
+        jnp.where(is_local, order // top_k, num_tokens).astype(jnp.int32),
+        jnp.where(is_local, weights.reshape(-1)[order], 0.0).astype(jnp.float32),
+        jnp.bincount(local, length=num_local_experts + 1)[:num_local_experts].astype(jnp.int32),
+    )
+
+
 def tile_layout(
     weights: jax.Array, ids: jax.Array, num_local_experts: int, expert_start: jax.Array | int
 ) -> TileLayout:
@@ -248,18 +283,12 @@ def tile_layout(
     # each expert with a token adds at most one partial tile
     num_tiles = -(-num_assignments // max_size) + min(num_local_experts, num_assignments)
 
-    # foreign assignments sort last, as group `num_local_experts`
-    local = ids.reshape(-1) - expert_start
-    local = jnp.where((local >= 0) & (local < num_local_experts), local, num_local_experts)
-    order = jnp.argsort(local, stable=True)
-    is_local = local[order] < num_local_experts
+    groups = expert_groups(weights, ids, num_local_experts, expert_start)
+    group_sizes = groups.group_sizes
     # padded by a tile so that slicing a whole tile from any start stays in bounds
-    sorted_token = jnp.full(num_assignments + max_size, num_tokens, jnp.int32)
-    sorted_token = sorted_token.at[:num_assignments].set(jnp.where(is_local, order // top_k, num_tokens))
-    sorted_weight = jnp.zeros(num_assignments + max_size, jnp.float32)
-    sorted_weight = sorted_weight.at[:num_assignments].set(jnp.where(is_local, weights.reshape(-1)[order], 0.0))
+    sorted_token = jnp.concatenate([groups.sorted_token, jnp.full(max_size, num_tokens, jnp.int32)])
+    sorted_weight = jnp.concatenate([groups.sorted_weight, jnp.zeros(max_size, jnp.float32)])
 
-    group_sizes = jnp.bincount(local, length=num_local_experts + 1)[:num_local_experts]
     group_begin = jnp.cumsum(group_sizes) - group_sizes
     tiles_per_expert = -(-group_sizes // max_size)
     tile_end = jnp.cumsum(tiles_per_expert)
@@ -314,12 +343,37 @@ def _expert_weights(w, scale, e, wsz, reduction_axis: int, dtype) -> jax.Array:
     return _dequantize(values, None if scale is None else scale[e], wsz, reduction_axis, dtype)
 
 
+def _use_cpu_kernel(tokens, w1, w2, w1_scale, *, in_shard_map: bool) -> bool:
+    """Whether the expert FFNs go to the C++ kernel (TOKENMILL_MOE_BACKEND)."""
+    backend = envs.TOKENMILL_MOE_BACKEND
+    if backend == "jnp":
+        return False
+    usable = cpu_moe.usable_for(tokens, w1, w2, w1_scale)
+    if backend == "cpu_kernel":
+        if not usable:
+            raise ValueError(
+                "TOKENMILL_MOE_BACKEND=cpu_kernel computes float32 tokens and unquantized float32 experts only; "
+                f"got tokens {tokens.dtype}, w1 {w1.dtype}, w2 {w2.dtype}{', quantized' if w1_scale is not None else ''}"
+            )
+        return True
+    # one opaque call cannot be partitioned by XLA: outside shard_map it must see whole arrays
+    single_device = in_shard_map or jax.device_count() == 1
+    return jax.default_backend() == "cpu" and usable and single_device and cpu_moe.available()
+
+
 def _grouped_moe(
     tokens, weights, ids, w1, w2, b1, b2, w1_scale, w2_scale, expert_start, *, wsz, act_fn, alpha, limit,
     device_axis: str | None = None,
 ) -> jax.Array:
     """The assignments to the experts of w1/w2 (global ids from `expert_start` on) → f32 [T, D].
     Inside shard_map, `device_axis` names the mesh axis whose devices hold different experts."""
+    if _use_cpu_kernel(tokens, w1, w2, w1_scale, in_shard_map=device_axis is not None):
+        groups = expert_groups(weights, ids, w1.shape[0], expert_start)
+        group_begin = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(groups.group_sizes)])
+        return cpu_moe.moe_experts(
+            tokens, w1, w2, b1, b2, groups.sorted_token, groups.sorted_weight, group_begin,
+            act_fn=act_fn, alpha=alpha, limit=limit,
+        )
     layout = tile_layout(weights, ids, w1.shape[0], expert_start)
 
     def one_tile(size, i, out):

@@ -5,7 +5,7 @@ headers that ship with jaxlib, into `~/.cache/tokenmill/kernels/<name>-<hash>.so
 covers the source, the compiler and its flags, the jaxlib version and the machine. Concurrent
 processes serialise on a file lock and publish the library with an atomic rename, so a half-written
 library is never loaded. The x86 build uses -mavx2 -mfma only when the CPU reports both (checked at
-run time), else a portable -O3 build.
+run time), adding -mavx512f where it reports that too, else it is a portable -O3 build.
 
 Nothing here raises: when the compiler is missing or the build fails, `load()` logs one warning and
 returns None, and callers fall back to the jnp reference. `build_error()` says why.
@@ -46,28 +46,32 @@ class Kernel:
 
 
 PAGED_ATTENTION = Kernel("tokenmill_paged_attention", "TokenmillPagedAttention", "paged_attention.cc")
+MOE_EXPERTS = Kernel("tokenmill_moe_experts", "TokenmillMoeExperts", "moe_experts.cc")
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
 _errors: dict[str, str] = {}
 
 
-def cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
 
 
 def isa_flags() -> tuple[str, ...]:
-    return ("-mavx2", "-mfma") if cpu_has_avx2_fma() else ()
+    """The widest vector ISA this CPU runs: AVX-512F, else AVX2 + FMA, else none (portable)."""
+    cpu = _cpu_flags()
+    if not {"avx2", "fma"} <= cpu:
+        return ()
+    return ("-mavx2", "-mfma") + (("-mavx512f",) if "avx512f" in cpu else ())
 
 
 def find_compiler() -> str | None:

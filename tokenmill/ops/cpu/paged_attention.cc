@@ -14,7 +14,7 @@
 // with no visible key (negative position, or a window that excludes everything) gets, like the
 // reference's all-masked softmax, the plain mean of V over its whole block-table row.
 //
-// Built by tokenmill/ops/cpu/build.py with -O3 and either -mavx2 -mfma (checked at run time) or
+// Built by tokenmill/ops/cpu/build.py with -O3 and either -mavx2 -mfma [-mavx512f] (checked at run time) or
 // no ISA flags (portable); the inner loops use GCC vector extensions, which lower to either.
 
 #include <algorithm>

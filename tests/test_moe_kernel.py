@@ -1,0 +1,82 @@
+"""The C++ expert-FFN kernel (ops/cpu/moe_experts.cc) against the jnp tiles of ops/moe.py, its oracle.
+
+Shapes are chosen to reach every edge of the kernel's blocking: expert groups larger than a work
+item (128 rows), row counts that are not multiples of the register block, hidden and intermediate
+sizes that are not multiples of a column strip (16 or 32) and reductions longer than one packed
+panel (256), idle experts, one token.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.test_moe import F32_REL, WSZ, assert_close, make_moe, quantized
+from tokenmill.ops.cpu import build
+from tokenmill.ops.cpu import moe as cpu_moe
+from tokenmill.ops.moe import fused_moe, ref_moe
+
+
+def require_kernel() -> None:
+    assert cpu_moe.available(), f"the CPU MoE kernel did not build: {build.build_error(build.MOE_EXPERTS)}"
+
+
+def fused_with(monkeypatch, backend: str, arrays: dict, top_k: int, **options) -> np.ndarray:
+    monkeypatch.setenv("TOKENMILL_MOE_BACKEND", backend)
+    return np.asarray(jax.jit(lambda a: fused_moe(**a, top_k=top_k, **options))(arrays))
+
+
+CASES = [
+    # T, E, D, F, top_k, act_fn, biases
+    (300, 4, 40, 72, 2, "silu", True),  # groups of ~150 rows: two work items per expert
+    (9, 64, 64, 96, 8, "gelu", False),  # most experts idle or with one row
+    (1, 8, 48, 16, 1, "gelu_pytorch_tanh", True),  # one token, one expert
+    (23, 6, 300, 264, 3, "swigluoai", True),  # reductions over 256 and N over one 256-column panel
+]
+
+
+@pytest.mark.parametrize("T,E,D,F,top_k,act_fn,biases", CASES)
+def test_kernel_matches_jnp_tiles(monkeypatch, T, E, D, F, top_k, act_fn, biases):
+    require_kernel()
+    a = make_moe(30 + T, T=T, E=E, D=D, F=F, biases=biases)
+    options = dict(renormalize_topk_logits=T % 2 == 0, act_fn=act_fn)
+    kernel = fused_with(monkeypatch, "cpu_kernel", a, top_k, **options)
+    tiles = fused_with(monkeypatch, "jnp", a, top_k, **options)
+    assert_close(kernel, tiles, F32_REL)
+    assert_close(kernel, np.asarray(jax.jit(lambda a: ref_moe(**a, top_k=top_k, **options))(a)), F32_REL)
+
+
+@pytest.mark.parametrize("isa", [("-mavx2", "-mfma"), ()], ids=["avx2", "portable"])
+def test_narrower_builds_match(monkeypatch, isa):
+    """The AVX2 build (8-wide registers, 6-row blocks: what CPUs without AVX-512 get) and the portable
+    build compile and agree with the jnp tiles too."""
+    require_kernel()
+    monkeypatch.setattr(build, "isa_flags", lambda: isa)
+    name = "_".join(["tokenmill_moe_experts"] + [flag.strip("-m") for flag in isa] + ["portable"] * (not isa))
+    kernel = build.Kernel(name, build.MOE_EXPERTS.symbol, build.MOE_EXPERTS.source)
+    assert build.load(kernel), build.build_error(kernel)
+    monkeypatch.setattr(cpu_moe, "MOE_EXPERTS", kernel)
+    a = make_moe(40, T=37, E=8, D=72, F=40, biases=True)
+    options = dict(renormalize_topk_logits=True, act_fn="silu")
+    assert_close(fused_with(monkeypatch, "cpu_kernel", a, 2, **options), fused_with(monkeypatch, "jnp", a, 2, **options),
+                 F32_REL)
+
+
+def test_auto_takes_the_kernel_for_float32_and_jnp_for_quantized_experts(monkeypatch):
+    require_kernel()
+    calls = []
+    real = cpu_moe.moe_experts
+    monkeypatch.setattr(cpu_moe, "moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = make_moe(41, T=5, E=8)
+    fused_with(monkeypatch, "auto", a, 2, renormalize_topk_logits=True, act_fn="silu")
+    assert calls == [1]
+    q = quantized(make_moe(42, T=5, E=8), np.int8)
+    fused_with(monkeypatch, "auto", q, 2, renormalize_topk_logits=True, act_fn="silu", subc_quant_wsz=WSZ)
+    assert calls == [1]
+
+
+def test_forcing_the_kernel_on_quantized_experts_is_refused(monkeypatch):
+    q = quantized(make_moe(43, T=5, E=8), np.int8)
+    with pytest.raises(ValueError, match="TOKENMILL_MOE_BACKEND=cpu_kernel"):
+        fused_with(monkeypatch, "cpu_kernel", q, 2, renormalize_topk_logits=True, act_fn="silu", subc_quant_wsz=WSZ)

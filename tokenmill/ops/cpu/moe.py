@@ -1,0 +1,52 @@
+"""The C++ expert-FFN kernel of the fused MoE op (moe_experts.cc), called through JAX's FFI.
+
+`moe_experts` takes the routed assignments already grouped by expert (`ops.moe.expert_groups`) and
+returns the weighted sum of the expert outputs, float32 [T, D]. It reads each expert's weights in
+place from the stacked arrays, which is what XLA:CPU's per-expert dots cannot do. It handles
+float32 tokens and float32 (unquantized) expert weights; everything else takes the jnp path of
+`ops.moe`, which is also the kernel's test oracle.
+
+The call is per device: under expert parallelism `ops.moe` calls it inside its own shard_map, on
+the experts of one device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokenmill.ops.cpu.build import MOE_EXPERTS, build_error, load
+
+# the activation codes of moe_experts.cc
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "swigluoai": 3}
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it on first call)."""
+    return load(MOE_EXPERTS)
+
+
+def usable_for(tokens: jax.Array, w1: jax.Array, w2: jax.Array, w1_scale: jax.Array | None) -> bool:
+    """Whether the kernel computes these operands (assumes the platform is CPU)."""
+    f32 = jnp.dtype(jnp.float32)
+    return w1_scale is None and all(jnp.dtype(a.dtype) == f32 for a in (tokens, w1, w2))
+
+
+def moe_experts(
+    tokens, w1, w2, b1, b2, sorted_token, sorted_weight, group_begin, *, act_fn: str, alpha: float, limit: float
+) -> jax.Array:
+    """tokens f32[T, D], w1 f32[E, 2, D, F], w2 f32[E, F, D], b1 [E, 2, F] | None, b2 [E, D] | None;
+    the assignments sorted by expert: sorted_token i32[A], sorted_weight f32[A], and group_begin
+    i32[E + 1] (local expert e owns sorted rows group_begin[e] .. group_begin[e + 1]) → f32[T, D]."""
+    if not available():
+        raise RuntimeError(f"the CPU MoE kernel is unavailable: {build_error(MOE_EXPERTS)}")
+    num_experts, _, _, inter = w1.shape
+    hidden = tokens.shape[1]
+    b1 = jnp.zeros((num_experts, 2, inter), jnp.float32) if b1 is None else b1.astype(jnp.float32)
+    b2 = jnp.zeros((num_experts, hidden), jnp.float32) if b2 is None else b2.astype(jnp.float32)
+    return jax.ffi.ffi_call(MOE_EXPERTS.target, jax.ShapeDtypeStruct(tokens.shape, jnp.float32))(
+        tokens, w1, w2, b1, b2,
+        sorted_token.astype(jnp.int32), sorted_weight.astype(jnp.float32), group_begin.astype(jnp.int32),
+        act=np.int32(ACTIVATION_CODES[act_fn]), alpha=np.float32(alpha), limit=np.float32(limit),
+    )
