@@ -45,8 +45,9 @@ typedef float vf __attribute__((vector_size(kVW * sizeof(float))));
 
 #define TM_INLINE static inline __attribute__((always_inline))
 
-// Register blocking: kMR rows x kNR columns of C live in 2 * kMR vector registers.
-constexpr int kNR = 2 * kVW;
+// Register blocking: kMR rows x kNR columns of C live in kMR * kNV vector registers.
+constexpr int kNV = 2;
+constexpr int kNR = kNV * kVW;
 constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
 constexpr int64_t kKC = 256;  // rows of B per packed panel
 constexpr int64_t kNC = 256;  // columns of B per packed panel (kKC x kNC floats: 256 KiB, L2-sized)
@@ -97,30 +98,27 @@ TM_INLINE vf splat(float x) { return x - vf{}; }  // (x + 0 is not x for x = -0:
 template <int M>
 static void micro_kernel(int64_t kc, const float* PA, const float* PB, float* C, int64_t ldc, int cols,
                          bool accumulate, Prefetch& pf) {
-  vf c0[M], c1[M];
+  vf c[M][kNV];
   const bool full = cols == kNR;
   float tail[M][kNR];
   if (!full && accumulate)
     for (int i = 0; i < M; ++i) std::memcpy(tail[i], C + i * ldc, cols * sizeof(float));
   for (int i = 0; i < M; ++i) {
-    const float* c = full ? C + i * ldc : tail[i];
-    c0[i] = accumulate ? loadv(c) : vf{};
-    c1[i] = accumulate ? loadv(c + kVW) : vf{};
+    const float* row = full ? C + i * ldc : tail[i];
+    for (int j = 0; j < kNV; ++j) c[i][j] = accumulate ? loadv(row + j * kVW) : vf{};
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const vf b0 = loadv(PB + k * kNR);
-    const vf b1 = loadv(PB + k * kNR + kVW);
+    vf b[kNV];
+    for (int j = 0; j < kNV; ++j) b[j] = loadv(PB + k * kNR + j * kVW);
     pf.step();
     for (int i = 0; i < M; ++i) {
       const vf a = splat(PA[k * kMR + i]);
-      c0[i] += a * b0;
-      c1[i] += a * b1;
+      for (int j = 0; j < kNV; ++j) c[i][j] += a * b[j];
     }
   }
   for (int i = 0; i < M; ++i) {
-    float* c = full ? C + i * ldc : tail[i];
-    storev(c, c0[i]);
-    storev(c + kVW, c1[i]);
+    float* row = full ? C + i * ldc : tail[i];
+    for (int j = 0; j < kNV; ++j) storev(row + j * kVW, c[i][j]);
   }
   if (!full)
     for (int i = 0; i < M; ++i) std::memcpy(C + i * ldc, tail[i], cols * sizeof(float));
