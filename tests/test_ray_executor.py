@@ -4,6 +4,7 @@ the single-process engine's, a killed worker failing the engine fast, clear star
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -80,8 +81,16 @@ def test_two_hosts_one_jax_job_greedy_equals_single_process(cluster, llama):
             assert (d["device_count"], d["local_device_count"]) == (2, 1)
         assert greedy(llm) == expected  # async scheduling: launch / finish on the workers
         assert greedy_sync_steps(llm.engine) == expected  # execute_model
+        # an LLM dropped without shutdown() frees its workers when it is collected
+        workers = list(executor.workers)
+        del llm, executor
+        gc.collect()
+        for worker in workers:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(worker.describe.remote(), timeout=30)
     finally:
-        executor.shutdown()
+        if "executor" in locals():
+            executor.shutdown()
 
 
 @pytest.mark.slow
@@ -106,6 +115,57 @@ def test_killed_worker_fails_the_engine_within_seconds(cluster, llama, monkeypat
         assert engine.runner.workers == []
     finally:
         engine.runner.shutdown()
+
+
+@pytest.mark.slow
+def test_data_parallel_engine_cores_as_ray_actors(cluster, llama):
+    """data_parallel_backend="ray": one engine-core actor per rank, one rank per node (one device
+    each), ZMQ over TCP; greedy output equal to one engine's; shutdown frees the actors and their
+    placement group; a killed rank fails what is in flight."""
+    import asyncio
+
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.engine.client import EngineDeadError
+
+    expected = greedy(LLM(llama, **ENGINE))
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_engine_args(llama, data_parallel_size=2, data_parallel_backend="ray", **ENGINE)
+    client = engine.client
+    try:
+        assert sorted(core.node_ip for core in client.procs) == sorted([ray.util.get_node_ip_address(), SECOND_NODE_IP])
+        assert client.input_address.startswith("tcp://")
+
+        async def tokens(prompt, request_id, max_tokens=GREEDY.max_tokens):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            return [t async for out in engine.generate(prompt, params, request_id) for t in out.outputs[0].token_ids]
+
+        async def both_ranks():
+            outs = await asyncio.gather(*(tokens(p, f"r{i}") for i, p in enumerate(PROMPTS)))
+            stats = await engine.call_utility_all("get_stats")
+            return outs, [s["num_requests_received"] for s in stats]
+
+        outs, per_rank = loop.run_until_complete(both_ranks())
+        assert outs == expected
+        assert all(n >= 1 for n in per_rank), per_rank  # both actors served
+
+        async def kill_rank_1():
+            long = [asyncio.ensure_future(tokens(p, f"long{i}", max_tokens=100)) for i, p in enumerate(PROMPTS * 2)]
+            await asyncio.sleep(1.0)
+            ray.kill(client.procs[1].actor)
+            return await asyncio.gather(*long, return_exceptions=True)
+
+        start = time.monotonic()
+        results = loop.run_until_complete(kill_rank_1())
+        assert any(isinstance(r, EngineDeadError) for r in results), results
+        assert time.monotonic() - start < 30
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    for core in client.procs:  # every actor is gone, the killed one and the one stopped
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(core.actor.pid.remote(), timeout=30)
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
 @pytest.mark.slow

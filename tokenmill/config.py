@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,10 +206,14 @@ class ParallelConfig:
     enable_expert_parallel: bool = False  # MoE experts split over "model" instead of their columns
     # None: in-process; "ray": workers as Ray actors (also TOKENMILL_MULTIHOST_BACKEND=ray)
     distributed_executor_backend: str | None = None
+    # where the data-parallel engine cores run: "mp" local processes, "ray" Ray actors
+    data_parallel_backend: str = "mp"
 
     def __post_init__(self):
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
         if self.distributed_executor_backend not in (None, "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be None (in-process) or 'ray', "
@@ -232,6 +237,12 @@ class EngineConfig:
 
     def replace(self, **kw) -> EngineConfig:
         return dataclasses.replace(self, **kw)
+
+    def with_absolute_model_path(self) -> EngineConfig:
+        """This config with the model path made absolute, for processes with another working directory."""
+        if self.model is not None and os.path.exists(path := os.path.expanduser(self.model)):
+            return self.replace(model=os.path.abspath(path))
+        return self
 
 
 _ENGINE_ARGS = {"dtype", "seed", "async_scheduling", "expert_quantization", "expert_quantization_window"}

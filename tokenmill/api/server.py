@@ -273,7 +273,7 @@ async def serve(args) -> int:
             engine_args["kv_cache_memory"] = args.kv_cache_memory
         engine_args.update(tensor_parallel_size=args.tensor_parallel_size,
                            enable_expert_parallel=args.enable_expert_parallel)
-        engine_args["data_parallel_size"] = args.data_parallel_size
+        engine_args.update(data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend)
         engine_args["distributed_executor_backend"] = args.distributed_executor_backend
         if args.expert_quantization is not None:
             engine_args.update(expert_quantization=args.expert_quantization,

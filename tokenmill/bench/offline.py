@@ -101,7 +101,7 @@ def run(args) -> dict:
             raise ValueError(f"bench {args.bench} runs one stream: --data-parallel-size must be 1")
         from tokenmill.bench.data_parallel import run_throughput
 
-        engine_args["data_parallel_size"] = args.data_parallel_size
+        engine_args.update(data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend)
         result = run_throughput(args, engine_args)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return _report(result, args.output_json)

@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split MoE experts whole over the tensor-parallel devices")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core processes, each with its own model replica and share of the requests")
+    p.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+                   help="where the data-parallel engine cores run: local processes (mp) or Ray actors "
+                        "anywhere in the cluster (ray)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["ray"],
                    help="run the model across hosts: one Ray worker per host (default: in this process; "
                         "also TOKENMILL_MULTIHOST_BACKEND=ray)")

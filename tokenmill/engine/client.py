@@ -31,7 +31,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -67,24 +66,38 @@ class EngineCoreClient:
         substitute one that fails); `wave_mode`: the ranks step in lock-step waves."""
         self.num_ranks = config.parallel.data_parallel_size
         self.wave_mode = wave_mode
+        self.on_ray = config.parallel.data_parallel_backend == "ray"
+        self._ray_cores = None  # RayEngineCores, with the ray backend
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
-        self.input_address = f"ipc://{self._tmpdir}/input"
-        self.output_address = f"ipc://{self._tmpdir}/output"
+        if self.on_ray:  # cores anywhere in the cluster: TCP on this host's address, ports chosen at bind
+            import ray
+
+            from tokenmill import envs
+            from tokenmill.executor.ray_cluster import connect
+
+            connect(envs.TOKENMILL_RAY_DEVICE_RESOURCE,
+                    local_devices=self.num_ranks * config.parallel.tensor_parallel_size)
+            config = config.with_absolute_model_path()  # the cores' working directories are Ray's
+            where = {name: f"tcp://{ray.util.get_node_ip_address()}:*" for name in ("input", "output", "coordinator")}
+        else:
+            where = {name: f"ipc://{self._tmpdir}/{name}" for name in ("input", "output", "coordinator")}
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone core raises
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(self.input_address)
+        self.input_socket.bind(where["input"])
+        self.input_address = self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(self.output_address)
+        self.output_socket.bind(where["output"])
+        self.output_address = self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.coordinator: WaveCoordinator | None = None
         coordinator_address = None
         if wave_mode:
-            coordinator_address = f"ipc://{self._tmpdir}/coordinator"
-            self.coordinator = WaveCoordinator(self.ctx, coordinator_address, self.num_ranks)
+            self.coordinator = WaveCoordinator(self.ctx, where["coordinator"], self.num_ranks)
+            coordinator_address = self.coordinator.address
         self.encoder = m.encoder()
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
@@ -96,13 +109,20 @@ class EngineCoreClient:
         self._rank_of: dict[str, int] = {}  # requests sent and not seen finished → their rank
         self.wave = 0  # wave mode: the wave the ranks run, or the next one
         self.wave_running = False
-        self.procs: list[multiprocessing.Process] = []
+        self.procs: list = []  # multiprocessing.Process, or RayEngineCore with the ray backend
         try:
+            if self.on_ray:
+                from tokenmill.executor.ray_engine_cores import RayEngineCores
+
+                self._ray_cores = RayEngineCores(self.num_ranks, config.parallel.tensor_parallel_size)
             spawn = multiprocessing.get_context("spawn")
             for rank in range(self.num_ranks):
+                name = "EngineCore" if self.num_ranks == 1 else f"EngineCore-DP{rank}"
+                if self._ray_cores is not None:
+                    self.procs.append(self._ray_cores.core(rank, name, self.input_address, coordinator_address))
+                    continue
                 args = (self.input_address, os.getpid(), rank, rank_visible_devices(rank, config.parallel),
                         coordinator_address)
-                name = "EngineCore" if self.num_ranks == 1 else f"EngineCore-DP{rank}"
                 self.procs.append(spawn.Process(target=target, args=args, name=name, daemon=True))
             for proc in self.procs:
                 proc.start()
@@ -167,8 +187,9 @@ class EngineCoreClient:
                 raise EngineStartupError(where + reply.message)
             if not isinstance(reply, m.HandshakeReady):
                 raise EngineStartupError(f"unexpected handshake message {type(reply).__name__}")
-            logger.info("engine core%s ready (pid %d, %d KV blocks)", self._rank_label(rank),
-                        self.procs[rank].pid, reply.num_blocks)
+            where = f" on Ray node {self.procs[rank].node_ip}" if self.on_ray else ""
+            logger.info("engine core%s ready (pid %d%s, %d KV blocks)", self._rank_label(rank),
+                        self.procs[rank].pid, where, reply.num_blocks)
             ready[rank] = reply
         return [ready[rank] for rank in range(self.num_ranks)]
 
@@ -341,19 +362,21 @@ class EngineCoreClient:
                 proc.join(max(0.0, deadline - time.monotonic()))
             return not any(proc.is_alive() for proc in started)
 
-        def signal_all(signum: int) -> None:
+        def signal_all(how: str) -> None:  # "terminate": SIGTERM (a clean stop), "kill": SIGKILL
             for proc in started:
                 try:
-                    os.kill(proc.pid, signum)
-                except ProcessLookupError:
+                    getattr(proc, how)()
+                except Exception:  # noqa: BLE001 - already gone
                     pass
 
         if not exited(0):
-            signal_all(signal.SIGTERM)
+            signal_all("terminate")
             if not exited(timeout_s):
                 logger.warning("engine core did not stop within %.0f s; killing it", timeout_s)
-                signal_all(signal.SIGKILL)
+                signal_all("kill")
                 exited(5)
+        if self._ray_cores is not None:
+            self._ray_cores.close()
         for t in self._threads:
             t.join(timeout=1.0)
         if self.coordinator is not None:

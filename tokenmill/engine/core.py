@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 
 import jax
 
@@ -64,6 +65,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, enable_prefix_caching: bool = True):
         enable_compilation_cache()
         self.config = config
+        self._release_workers = None
         parallel = config.parallel
         on_ray = distributed_executor_backend(parallel) == "ray"
         # refuse impossible parallel sizes before minutes of loading (on Ray the workers make the mesh)
@@ -76,6 +78,8 @@ class EngineCore:
             # one worker per host loads, shards and steps the model; this process only schedules.
             # The executor steps like a ModelRunner: execute_model, launch / finish.
             self.runner = RayExecutor(config, model)
+            # an engine dropped without shutdown() still frees the workers when it is collected
+            self._release_workers = weakref.finalize(self, self.runner.shutdown)
             self.model, num_blocks = self.runner.model, self.runner.num_blocks
         else:
             self.model = prepare_model(config, model)
@@ -104,6 +108,12 @@ class EngineCore:
         self.scheduler_host_time = 0.0
         self.num_steps = 0
         self.num_forward_steps = 0  # steps that ran the model on scheduled tokens
+
+    def shutdown(self) -> None:
+        """Release what the engine holds outside this process (the Ray workers and their devices);
+        safe to call more than once."""
+        if self._release_workers is not None:
+            self._release_workers()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""

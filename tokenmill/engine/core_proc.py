@@ -49,7 +49,9 @@ class EngineCoreProc:
     # Utility methods the front end may call by name.
     utility_methods = ("get_stats", "reset_prefix_cache", "num_unfinished_requests")
 
-    def __init__(self, input_address: str, parent_pid: int, rank: int = 0):
+    def __init__(self, input_address: str, parent_pid: int | None, rank: int = 0):
+        """`parent_pid`: the front end's pid, watched so that the core exits when it dies; None where
+        something else owns the core's life (a Ray actor dies with the driver that created it)."""
         self.parent_pid = parent_pid
         self.rank = rank
         self.ctx = zmq.Context()
@@ -103,8 +105,10 @@ class EngineCoreProc:
             max_model_len=cfg.scheduler.max_model_len,
         )
         self.input_socket.send(self.encoder.encode(ready))
-        for target, name in ((self._input_thread, "input"), (self._output_thread, "output"),
-                             (self._parent_watch_thread, "parent-watch")):
+        threads = [(self._input_thread, "input"), (self._output_thread, "output")]
+        if self.parent_pid is not None:
+            threads.append((self._parent_watch_thread, "parent-watch"))
+        for target, name in threads:
             t = threading.Thread(target=target, name=f"EngineCore-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -151,7 +155,7 @@ class EngineCoreProc:
                 return
 
     def _orphaned(self) -> bool:
-        return os.getppid() != self.parent_pid
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
 
     def _parent_watch_thread(self) -> None:
         while not self.stop.wait(0.5):
@@ -269,7 +273,13 @@ class EngineCoreProc:
     # ---- shutdown ---------------------------------------------------------------------------------
 
     def close(self, dead: bool) -> None:
-        """Flush the output queue (ENGINE_CORE_DEAD first if dying), stop the threads, close sockets."""
+        """Flush the output queue (ENGINE_CORE_DEAD first if dying), stop the threads, close sockets,
+        and free the engine's Ray workers if it has any."""
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - closing the sockets matters more
+                logger.exception("engine shutdown failed")
         if dead and self.output_socket is not None:
             self.output_queue.put(m.ENGINE_CORE_DEAD)
         self.stop.set()
@@ -288,41 +298,21 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(input_address: str, parent_pid: int, rank: int = 0, visible_devices: str | None = None,
-                    coordinator_address: str | None = None) -> None:
-    """The spawned process's entry point. Exit codes: 0 clean stop, 1 start-up failure or fatal error.
-
-    `rank`: its data-parallel rank; `visible_devices`: its slice of the accelerators (dp_devices.py),
-    or None to keep the inherited environment; `coordinator_address`: the wave coordinator's, for a
-    rank that steps in waves (dp_core_proc.py).
-    """
-    from tokenmill import envs
-    from tokenmill.engine.dp_devices import DEVICE_ENV
-
-    if visible_devices is not None:  # before anything starts JAX's backends in this process
-        os.environ[DEVICE_ENV] = visible_devices
-    logging.basicConfig(
-        level=envs.TOKENMILL_LOGGING_LEVEL,
-        format=f"%(asctime)s %(levelname)s EngineCore[{os.getpid()}] rank {rank} %(name)s: %(message)s",
-    )
-    # Its own process group: a terminal's Ctrl-C reaches the front end only, which drains its requests
-    # and then stops the core with SIGTERM (the core still exits if the front end dies, see above).
-    try:
-        os.setpgrp()
-    except OSError:
-        pass
+def make_engine_core_proc(input_address: str, parent_pid: int | None, rank: int,
+                          coordinator_address: str | None) -> EngineCoreProc:
+    """The core of one rank: one that steps in waves when it has a wave coordinator."""
     if coordinator_address is None:
-        proc = EngineCoreProc(input_address, parent_pid, rank)
-    else:
-        from tokenmill.engine.dp_core_proc import DPWaveEngineCoreProc
+        return EngineCoreProc(input_address, parent_pid, rank)
+    from tokenmill.engine.dp_core_proc import DPWaveEngineCoreProc
 
-        proc = DPWaveEngineCoreProc(input_address, parent_pid, rank, coordinator_address)
+    return DPWaveEngineCoreProc(input_address, parent_pid, rank, coordinator_address)
 
-    def _on_signal(signum, frame):  # stop between steps; the loop exits cleanly
-        proc.stop.set()
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+def serve_engine_core(proc: EngineCoreProc) -> int:
+    """Handshake, then step until told to stop. Returns the exit code: 0 clean stop, 1 start-up
+    failure or fatal error (or the front end gone)."""
+    from tokenmill import envs
+
     dead = False
     try:
         if proc.handshake_and_start():
@@ -335,7 +325,41 @@ def run_engine_core(input_address: str, parent_pid: int, rank: int = 0, visible_
         dead = True
     finally:
         proc.close(dead)
-    code = 1 if dead or proc._orphaned() else 0
+    return 1 if dead or proc._orphaned() else 0
+
+
+def log_format(rank: int) -> str:
+    return f"%(asctime)s %(levelname)s EngineCore[{os.getpid()}] rank {rank} %(name)s: %(message)s"
+
+
+def run_engine_core(input_address: str, parent_pid: int, rank: int = 0, visible_devices: str | None = None,
+                    coordinator_address: str | None = None) -> None:
+    """The spawned process's entry point. Exit codes: those of serve_engine_core.
+
+    `rank`: its data-parallel rank; `visible_devices`: its slice of the accelerators (dp_devices.py),
+    or None to keep the inherited environment; `coordinator_address`: the wave coordinator's, for a
+    rank that steps in waves (dp_core_proc.py).
+    """
+    from tokenmill import envs
+    from tokenmill.engine.dp_devices import DEVICE_ENV
+
+    if visible_devices is not None:  # before anything starts JAX's backends in this process
+        os.environ[DEVICE_ENV] = visible_devices
+    logging.basicConfig(level=envs.TOKENMILL_LOGGING_LEVEL, format=log_format(rank))
+    # Its own process group: a terminal's Ctrl-C reaches the front end only, which drains its requests
+    # and then stops the core with SIGTERM (the core still exits if the front end dies, see above).
+    try:
+        os.setpgrp()
+    except OSError:
+        pass
+    proc = make_engine_core_proc(input_address, parent_pid, rank, coordinator_address)
+
+    def _on_signal(signum, frame):  # stop between steps; the loop exits cleanly
+        proc.stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    code = serve_engine_core(proc)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -39,10 +39,12 @@ class WaveCoordinator:
     """The front end's side: collects the votes of one sync point and answers with their OR."""
 
     def __init__(self, ctx: zmq.Context, address: str, num_ranks: int):
+        """`address` may leave the port to the system (tcp://host:*): `self.address` is where it is."""
         self.num_ranks = num_ranks
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.num_reductions = 0
         self._votes: dict[tuple[int, int], dict[bytes, bool]] = {}
         self._stop = threading.Event()

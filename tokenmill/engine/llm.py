@@ -33,6 +33,10 @@ class LLM:
         self.tokenizer = self.engine.model.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Free the engine's workers on Ray now (an LLM that is garbage-collected does it then)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.tokenizer
 

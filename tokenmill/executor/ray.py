@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -42,16 +41,9 @@ def _driver_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(load_config(path), {}, tokenizer, chat_template, source=path)
 
 
-def _with_absolute_model_path(config: EngineConfig) -> EngineConfig:
-    """The workers do not share the driver's working directory: send them an absolute model path."""
-    if config.model is not None and os.path.exists(path := os.path.expanduser(config.model)):
-        return config.replace(model=os.path.abspath(path))
-    return config
-
-
 class RayExecutor:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
-        config = _with_absolute_model_path(config)
+        config = config.with_absolute_model_path()  # the workers do not share our working directory
         tp = config.parallel.tensor_parallel_size
         resource = envs.TOKENMILL_RAY_DEVICE_RESOURCE
         startup_timeout = envs.TOKENMILL_ENGINE_STARTUP_TIMEOUT_S
