@@ -3,12 +3,13 @@
 Shapes are chosen to reach every edge of the kernel's blocking: expert groups larger than a work
 item (128 rows), row counts that are not multiples of the register block, hidden and intermediate
 sizes that are not multiples of a column strip (16 or 32) and reductions longer than one packed
-panel (256), idle experts, one token.
+panel (256), idle experts, one token; and int8 / float8 experts, which it dequantizes as it packs.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -63,20 +64,31 @@ def test_narrower_builds_match(monkeypatch, isa):
                  F32_REL)
 
 
-def test_auto_takes_the_kernel_for_float32_and_jnp_for_quantized_experts(monkeypatch):
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_8bit_experts_match_jnp_tiles(monkeypatch, dtype):
+    """The kernel dequantizes as it packs, the tiles expert by expert: the same values either way."""
+    require_kernel()
+    q = quantized(make_moe(44, T=29, E=8, D=48, F=40, biases=True), dtype)
+    options = dict(renormalize_topk_logits=True, act_fn="swigluoai", subc_quant_wsz=WSZ)
+    assert_close(fused_with(monkeypatch, "cpu_kernel", q, 3, **options), fused_with(monkeypatch, "jnp", q, 3, **options),
+                 F32_REL)
+
+
+def test_auto_takes_the_kernel_except_for_fp4_experts(monkeypatch):
     require_kernel()
     calls = []
     real = cpu_moe.moe_experts
     monkeypatch.setattr(cpu_moe, "moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    a = make_moe(41, T=5, E=8)
-    fused_with(monkeypatch, "auto", a, 2, renormalize_topk_logits=True, act_fn="silu")
-    assert calls == [1]
-    q = quantized(make_moe(42, T=5, E=8), np.int8)
-    fused_with(monkeypatch, "auto", q, 2, renormalize_topk_logits=True, act_fn="silu", subc_quant_wsz=WSZ)
-    assert calls == [1]
+    options = dict(renormalize_topk_logits=True, act_fn="silu")
+    fused_with(monkeypatch, "auto", make_moe(41, T=5, E=8), 2, **options)
+    fused_with(monkeypatch, "auto", quantized(make_moe(42, T=5, E=8), jnp.int8), 2, **options, subc_quant_wsz=WSZ)
+    assert calls == [1, 1]
+    fused_with(monkeypatch, "auto", quantized(make_moe(42, T=5, E=8), jnp.float4_e2m1fn), 2, **options,
+               subc_quant_wsz=WSZ)
+    assert calls == [1, 1]
 
 
-def test_forcing_the_kernel_on_quantized_experts_is_refused(monkeypatch):
-    q = quantized(make_moe(43, T=5, E=8), np.int8)
+def test_forcing_the_kernel_on_fp4_experts_is_refused(monkeypatch):
+    q = quantized(make_moe(43, T=5, E=8), jnp.float4_e2m1fn)
     with pytest.raises(ValueError, match="TOKENMILL_MOE_BACKEND=cpu_kernel"):
         fused_with(monkeypatch, "cpu_kernel", q, 2, renormalize_topk_logits=True, act_fn="silu", subc_quant_wsz=WSZ)

@@ -17,13 +17,13 @@ the expert outputs are summed, weighted by the routing weights.
   index (dequantizing them there, one expert at a time), gate/up matmuls, activation, down matmul,
   scatter-add of the weighted rows into the output.
 
-On CPU, with float32 tokens and unquantized float32 experts, the expert FFNs go to a C++ kernel
+On CPU, with float32 tokens and float32, int8 or float8 experts, the expert FFNs go to a C++ kernel
 instead (ops/cpu/moe_experts.cc, TOKENMILL_MOE_BACKEND): it takes the same sorted assignments
-(`expert_groups`) and reads each expert's weights in place, packed a panel at a time, with the next
-panel prefetched while the current one is multiplied. At the default `tokenmill bench moe` layer
+(`expert_groups`) and reads each expert's weights in place, packed (and dequantized) a panel at a
+time, with the next panel prefetched while the current one is multiplied. At the default `tokenmill bench moe` layer
 (Qwen3-30B-A3B shapes, 512 tokens) it took 0.26 s where the jnp tiles below took 0.44 s, on a
-2-core Xeon with AVX-512. The tiles remain the path for quantized experts and other platforms,
-and the kernel's test oracle.
+2-core Xeon with AVX-512. The tiles remain the path for fp4 experts and other platforms, and the
+kernel's test oracle.
 
 Why tiles and not `jax.lax.ragged_dot`: in jax 0.10.2 the CPU lowering of ragged_dot
 (`_ragged_dot_general_impl`; `jax_ragged_dot_use_ragged_dot_instruction` is TPU-only) densifies:
@@ -352,8 +352,8 @@ def _use_cpu_kernel(tokens, w1, w2, w1_scale, *, in_shard_map: bool) -> bool:
     if backend == "cpu_kernel":
         if not usable:
             raise ValueError(
-                "TOKENMILL_MOE_BACKEND=cpu_kernel computes float32 tokens and unquantized float32 experts only; "
-                f"got tokens {tokens.dtype}, w1 {w1.dtype}, w2 {w2.dtype}{', quantized' if w1_scale is not None else ''}"
+                "TOKENMILL_MOE_BACKEND=cpu_kernel computes float32 tokens with float32 experts, or int8 / float8 "
+                f"experts with scales, only; got tokens {tokens.dtype}, w1 {w1.dtype}, w2 {w2.dtype}"
             )
         return True
     # one opaque call cannot be partitioned by XLA: outside shard_map it must see whole arrays
@@ -372,7 +372,7 @@ def _grouped_moe(
         group_begin = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(groups.group_sizes)])
         return cpu_moe.moe_experts(
             tokens, w1, w2, b1, b2, groups.sorted_token, groups.sorted_weight, group_begin,
-            act_fn=act_fn, alpha=alpha, limit=limit,
+            act_fn=act_fn, alpha=alpha, limit=limit, w1_scale=w1_scale, w2_scale=w2_scale, wsz=wsz,
         )
     layout = tile_layout(weights, ids, w1.shape[0], expert_start)
 

@@ -3,8 +3,9 @@
 `moe_experts` takes the routed assignments already grouped by expert (`ops.moe.expert_groups`) and
 returns the weighted sum of the expert outputs, float32 [T, D]. It reads each expert's weights in
 place from the stacked arrays, which is what XLA:CPU's per-expert dots cannot do. It handles
-float32 tokens and float32 (unquantized) expert weights; everything else takes the jnp path of
-`ops.moe`, which is also the kernel's test oracle.
+float32 tokens with float32 experts, or with int8 / float8 (e4m3fn, e5m2) experts and their window
+scales, which it dequantizes panel by panel as it packs them; everything else (fp4 experts, other
+token dtypes) takes the jnp path of `ops.moe`, which is also the kernel's test oracle.
 
 The call is per device: under expert parallelism `ops.moe` calls it inside its own shard_map, on
 the experts of one device.
@@ -27,17 +28,26 @@ def available() -> bool:
     return load(MOE_EXPERTS)
 
 
+_F32 = jnp.dtype(jnp.float32)
+_8BIT = {jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)}
+
+
 def usable_for(tokens: jax.Array, w1: jax.Array, w2: jax.Array, w1_scale: jax.Array | None) -> bool:
-    """Whether the kernel computes these operands (assumes the platform is CPU)."""
-    f32 = jnp.dtype(jnp.float32)
-    return w1_scale is None and all(jnp.dtype(a.dtype) == f32 for a in (tokens, w1, w2))
+    """Whether the kernel computes these operands (assumes the platform is CPU): float32 tokens with
+    float32 experts, or with 8-bit experts and their scales."""
+    weights = jnp.dtype(w1.dtype)
+    if jnp.dtype(tokens.dtype) != _F32 or jnp.dtype(w2.dtype) != weights:
+        return False
+    return weights in _8BIT if w1_scale is not None else weights == _F32
 
 
 def moe_experts(
-    tokens, w1, w2, b1, b2, sorted_token, sorted_weight, group_begin, *, act_fn: str, alpha: float, limit: float
+    tokens, w1, w2, b1, b2, sorted_token, sorted_weight, group_begin, *, act_fn: str, alpha: float, limit: float,
+    w1_scale=None, w2_scale=None, wsz: int | None = None,
 ) -> jax.Array:
-    """tokens f32[T, D], w1 f32[E, 2, D, F], w2 f32[E, F, D], b1 [E, 2, F] | None, b2 [E, D] | None;
-    the assignments sorted by expert: sorted_token i32[A], sorted_weight f32[A], and group_begin
+    """tokens f32[T, D], w1 [E, 2, D, F], w2 [E, F, D] (float32, or 8-bit with w1_scale
+    [E, 2, D / wsz, F] and w2_scale [E, F / wsz, D]), b1 [E, 2, F] | None, b2 [E, D] | None; the
+    assignments sorted by expert: sorted_token i32[A], sorted_weight f32[A], and group_begin
     i32[E + 1] (local expert e owns sorted rows group_begin[e] .. group_begin[e + 1]) → f32[T, D]."""
     if not available():
         raise RuntimeError(f"the CPU MoE kernel is unavailable: {build_error(MOE_EXPERTS)}")
@@ -45,8 +55,12 @@ def moe_experts(
     hidden = tokens.shape[1]
     b1 = jnp.zeros((num_experts, 2, inter), jnp.float32) if b1 is None else b1.astype(jnp.float32)
     b2 = jnp.zeros((num_experts, hidden), jnp.float32) if b2 is None else b2.astype(jnp.float32)
+    no_scale = jnp.zeros((0,), jnp.float32)
+    w1_scale = no_scale if w1_scale is None else w1_scale.astype(jnp.float32)
+    w2_scale = no_scale if w2_scale is None else w2_scale.astype(jnp.float32)
     return jax.ffi.ffi_call(MOE_EXPERTS.target, jax.ShapeDtypeStruct(tokens.shape, jnp.float32))(
-        tokens, w1, w2, b1, b2,
+        tokens, w1, w2, w1_scale, w2_scale, b1, b2,
         sorted_token.astype(jnp.int32), sorted_weight.astype(jnp.float32), group_begin.astype(jnp.int32),
         act=np.int32(ACTIVATION_CODES[act_fn]), alpha=np.float32(alpha), limit=np.float32(limit),
+        wsz=np.int64(wsz or 0),
     )

@@ -7,6 +7,9 @@
 // for each of its assignments (t, w). Experts with no row are never read. The weights are read in
 // place from the stacked [E, 2, D, F] / [E, F, D] arrays: this is the point of the kernel, since
 // XLA:CPU copies and re-packs an expert's slice on every dot (see ops/moe.py's docstring).
+// Weights are float32, or 8-bit (int8, float8 e4m3fn / e5m2) with one float32 scale per window of
+// `wsz` rows along the reduction axis: those are decoded and scaled as each panel is packed, so
+// memory carries a quarter of the bytes and the arithmetic stays float32.
 //
 // Work items are (expert, chunk of at most kChunkRows rows). Each runs three small GEMMs with a
 // register-blocked kernel (kMR rows x kNR columns of C in registers, B read in kKC-row panels that
@@ -27,6 +30,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -63,6 +67,50 @@ TM_INLINE vf loadv(const float* p) {
 
 TM_INLINE void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 
+// float8 code → float32 value, for every code of e4m3fn (no infinities; S.1111.111 is NaN) and of
+// e5m2 (IEEE-like)
+static std::array<float, 256> float8_table(int mantissa_bits, int bias, bool ieee) {
+  std::array<float, 256> table{};
+  for (int code = 0; code < 256; ++code) {
+    const int magnitude = code & 0x7f;
+    const int exponent = magnitude >> mantissa_bits, mantissa = magnitude & ((1 << mantissa_bits) - 1);
+    const int top = (1 << (7 - mantissa_bits)) - 1;
+    float value;
+    if (ieee && exponent == top)
+      value = mantissa == 0 ? INFINITY : NAN;
+    else if (!ieee && magnitude == 0x7f)
+      value = NAN;
+    else if (exponent == 0)
+      value = std::ldexp(float(mantissa), 1 - bias - mantissa_bits);
+    else
+      value = std::ldexp(float(mantissa + (1 << mantissa_bits)), exponent - bias - mantissa_bits);
+    table[code] = code & 0x80 ? -value : value;
+  }
+  return table;
+}
+static const std::array<float, 256> kE4M3 = float8_table(3, 7, false);
+static const std::array<float, 256> kE5M2 = float8_table(2, 15, true);
+
+// A weight matrix B[K, N], row-major: float32, or 8-bit codes (int8, or float8 decoded through
+// `table`) with one float32 scale per window of `wsz` rows and column (scale [K / wsz, N]).
+struct Weights {
+  const char* data = nullptr;
+  int64_t N = 0;
+  int elem = 4;  // bytes per value
+  const float* table = nullptr;  // float8 only
+  bool is_int8 = false;
+  const float* scale = nullptr;  // nullptr: float32 values
+  int64_t wsz = 0;
+
+  // the sub-matrix that starts `values` values and `scales` scales further on (another expert's)
+  Weights at(int64_t values, int64_t scales) const {
+    Weights w = *this;
+    w.data += values * elem;
+    if (w.scale != nullptr) w.scale += scales;
+    return w;
+  }
+};
+
 // The cache lines of the next panel of B, fetched into L2 a few at a time while the current panel
 // is multiplied, so that streaming the weights from memory overlaps the arithmetic.
 struct Prefetch {
@@ -73,10 +121,11 @@ struct Prefetch {
   int64_t line = 0;  // the next line within the row
 
   Prefetch() = default;
-  Prefetch(const float* B, int64_t ldb, int64_t rows, int64_t cols)
-      : row(reinterpret_cast<const char*>(B)),
-        stride(ldb * int64_t(sizeof(float))),
-        row_lines((cols * int64_t(sizeof(float)) + 63) / 64),
+  // rows [k0, k0 + rows) x columns [n0, n0 + cols) of B (its scales are few: left to the hardware)
+  Prefetch(const Weights& B, int64_t k0, int64_t n0, int64_t rows, int64_t cols)
+      : row(B.data + (k0 * B.N + n0) * B.elem),
+        stride(B.N * B.elem),
+        row_lines((cols * B.elem + 63) / 64),
         rows_left(rows) {}
 
   inline __attribute__((always_inline)) void step() {
@@ -151,15 +200,25 @@ static void pack_a(int64_t M, int64_t K, const float* A, float* PA) {
   }
 }
 
-// B[0:kc, 0:nc] (row stride ldb) → strips of kNR columns, each kc x kNR contiguous, zero-padded
-static void pack_b(int64_t kc, int64_t nc, const float* B, int64_t ldb, float* PB) {
+// B[k0:k0+kc, n0:n0+nc] → strips of kNR columns, each kc x kNR contiguous float32, zero-padded;
+// 8-bit values are decoded and scaled here, one panel at a time
+static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t n0, float* PB) {
   const int64_t strips = (nc + kNR - 1) / kNR;
   for (int64_t k = 0; k < kc; ++k) {
-    const float* row = B + k * ldb;
+    const char* row = B.data + ((k0 + k) * B.N + n0) * B.elem;
+    const float* scale = B.scale == nullptr ? nullptr : B.scale + ((k0 + k) / B.wsz) * B.N + n0;
     for (int64_t s = 0; s < strips; ++s) {
       float* dst = PB + (s * kc + k) * kNR;
-      const int64_t n = std::min<int64_t>(kNR, nc - s * kNR);
-      std::memcpy(dst, row + s * kNR, n * sizeof(float));
+      const int64_t first = s * kNR, n = std::min<int64_t>(kNR, nc - first);
+      if (scale == nullptr) {
+        std::memcpy(dst, row + first * 4, n * sizeof(float));
+      } else if (B.is_int8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(row) + first;
+        for (int64_t j = 0; j < n; ++j) dst[j] = float(q[j]) * scale[first + j];
+      } else {
+        const uint8_t* q = reinterpret_cast<const uint8_t*>(row) + first;
+        for (int64_t j = 0; j < n; ++j) dst[j] = B.table[q[j]] * scale[first + j];
+      }
       if (n < kNR) std::memset(dst + n, 0, (kNR - n) * sizeof(float));
     }
   }
@@ -171,25 +230,24 @@ struct GemmBuffers {
   GemmBuffers(int64_t rows, int64_t depth) : a(round_up(rows, kMR) * depth), b(kKC * round_up(kNC, kNR)) {}
 };
 
-// C[M, N] = A[M, K] . B[K, N], all row-major (leading dimensions K, N, N). `next_b` (row stride
-// `next_n`), when given, is the B of the GEMM that follows: its first panel is prefetched during
-// the last panel of this one.
-static void gemm(int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C, GemmBuffers& buf,
-                 const float* next_b = nullptr, int64_t next_n = 0) {
+// C[M, N] = A[M, K] . B[K, N], all row-major (leading dimensions K, N, N). `next`, when given, is
+// the B of the GEMM that follows: its first panel is prefetched during the last panel of this one.
+static void gemm(int64_t M, int64_t N, int64_t K, const float* A, const Weights& B, float* C, GemmBuffers& buf,
+                 const Weights* next = nullptr) {
   pack_a(M, K, A, buf.a.data());
   const int64_t m_pad = round_up(M, kMR);
   for (int64_t n0 = 0; n0 < N; n0 += kNC) {
     const int64_t nc = std::min(kNC, N - n0);
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       const int64_t kc = std::min(kKC, K - k0);
-      pack_b(kc, nc, B + k0 * N + n0, N, buf.b.data());
+      pack_b(kc, nc, B, k0, n0, buf.b.data());
       Prefetch pf;
       if (k0 + kKC < K)
-        pf = Prefetch(B + (k0 + kKC) * N + n0, N, std::min(kKC, K - k0 - kKC), nc);
+        pf = Prefetch(B, k0 + kKC, n0, std::min(kKC, K - k0 - kKC), nc);
       else if (n0 + kNC < N)
-        pf = Prefetch(B + n0 + kNC, N, std::min(kKC, K), std::min(kNC, N - n0 - kNC));
-      else if (next_b != nullptr)
-        pf = Prefetch(next_b, next_n, kKC, std::min(kNC, next_n));
+        pf = Prefetch(B, 0, n0 + kNC, std::min(kKC, K), std::min(kNC, N - n0 - kNC));
+      else if (next != nullptr)
+        pf = Prefetch(*next, 0, 0, kKC, std::min(kNC, next->N));
       for (int64_t s = 0; s * kNR < nc; ++s) {
         const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
         for (int64_t m0 = 0; m0 < M; m0 += kMR) {
@@ -223,8 +281,8 @@ TM_INLINE float gated(float g, float u, int32_t act, float alpha, float limit) {
 struct Problem {
   int64_t T = 0, D = 0, F = 0, E = 0;
   const float* x = nullptr;  // [T, D]
-  const float* w1 = nullptr;  // [E, 2, D, F]
-  const float* w2 = nullptr;  // [E, F, D]
+  Weights w1;  // [E, 2, D, F] (scales [E, 2, D / wsz, F])
+  Weights w2;  // [E, F, D] (scales [E, F / wsz, D])
   const float* b1 = nullptr;  // [E, 2, F]
   const float* b2 = nullptr;  // [E, D]
   const int32_t* sorted_token = nullptr;  // [A]
@@ -254,9 +312,12 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s, float* out) {
     const int64_t t = std::min<int64_t>(std::max<int32_t>(pb.sorted_token[r0 + i], 0), pb.T - 1);
     std::memcpy(s.x.data() + i * D, pb.x + t * D, D * sizeof(float));
   }
-  const float* w1 = pb.w1 + e * 2 * D * F;
-  gemm(n, F, D, s.x.data(), w1, s.gate.data(), s.gemm, w1 + D * F, F);
-  gemm(n, F, D, s.x.data(), w1 + D * F, s.up.data(), s.gemm, pb.w2 + e * F * D, D);
+  const int64_t wsz = std::max<int64_t>(pb.w1.wsz, 1);
+  const Weights gate = pb.w1.at(e * 2 * D * F, e * 2 * (D / wsz) * F);
+  const Weights up = gate.at(D * F, (D / wsz) * F);
+  const Weights down = pb.w2.at(e * F * D, e * (F / wsz) * D);
+  gemm(n, F, D, s.x.data(), gate, s.gate.data(), s.gemm, &up);
+  gemm(n, F, D, s.x.data(), up, s.up.data(), s.gemm, &down);
   const float* bg = pb.b1 + e * 2 * F;
   const float* bu = bg + F;
   for (int64_t i = 0; i < n; ++i) {
@@ -264,7 +325,7 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s, float* out) {
     const float* u = s.up.data() + i * F;
     for (int64_t f = 0; f < F; ++f) g[f] = gated(g[f] + bg[f], u[f] + bu[f], pb.act, pb.alpha, pb.limit);
   }
-  gemm(n, D, F, s.gate.data(), pb.w2 + e * F * D, s.y.data(), s.gemm);
+  gemm(n, D, F, s.gate.data(), down, s.y.data(), s.gemm);
   const float* b2 = pb.b2 + e * D;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t t = pb.sorted_token[r0 + i];
@@ -332,11 +393,41 @@ static void run(ffi::ThreadPool& pool, const Problem& pb, float* out) {
   }
 }
 
-ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w1,
-                          ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::F32> b1, ffi::Buffer<ffi::F32> b2,
-                          ffi::Buffer<ffi::S32> sorted_token, ffi::Buffer<ffi::F32> sorted_weight,
-                          ffi::Buffer<ffi::S32> group_begin, ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t act,
-                          float alpha, float limit) {
+// The weights of `buf` (expert-stacked, reduction axis `reduction_dim` of `dims`) as Weights; an
+// empty string when they are usable, else what is wrong.
+static const char* weights_of(const ffi::AnyBuffer& buf, const ffi::Buffer<ffi::F32>& scale, int64_t wsz,
+                              int64_t reduction, int64_t N, Weights& w) {
+  w.data = static_cast<const char*>(buf.untyped_data());
+  w.N = N;
+  switch (buf.element_type()) {
+    case ffi::DataType::F32:
+      w.elem = 4;
+      return wsz == 0 ? "" : "float32 weights take no scales";
+    case ffi::DataType::S8:
+      w.is_int8 = true;
+      break;
+    case ffi::DataType::F8E4M3FN:
+      w.table = kE4M3.data();
+      break;
+    case ffi::DataType::F8E5M2:
+      w.table = kE5M2.data();
+      break;
+    default:
+      return "weights must be float32, int8, float8_e4m3fn or float8_e5m2";
+  }
+  w.elem = 1;
+  if (wsz <= 0 || reduction % wsz != 0) return "8-bit weights need a window size that divides the reduction axis";
+  if (scale.element_count() * size_t(wsz) != buf.element_count()) return "scales must have one value per window";
+  w.scale = scale.typed_data();
+  w.wsz = wsz;
+  return "";
+}
+
+ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w1, ffi::AnyBuffer w2,
+                          ffi::Buffer<ffi::F32> w1_scale, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> b1,
+                          ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::S32> sorted_token,
+                          ffi::Buffer<ffi::F32> sorted_weight, ffi::Buffer<ffi::S32> group_begin,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t act, float alpha, float limit, int64_t wsz) {
   auto xd = x.dimensions();
   auto w1d = w1.dimensions();
   if (xd.size() != 2 || w1d.size() != 4 || w1d[1] != 2 || w1d[2] != xd[1])
@@ -346,6 +437,9 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   auto w2d = w2.dimensions();
   if (w2d.size() != 3 || w2d[0] != pb.E || w2d[1] != pb.F || w2d[2] != pb.D)
     return ffi::Error::InvalidArgument("moe_experts: w2 must be [E, F, D]");
+  for (const char* problem : {weights_of(w1, w1_scale, wsz, pb.D, pb.F, pb.w1),
+                              weights_of(w2, w2_scale, wsz, pb.F, pb.D, pb.w2)})
+    if (*problem) return ffi::Error::InvalidArgument(std::string("moe_experts: ") + problem);
   if (b1.element_count() != size_t(pb.E * 2 * pb.F) || b2.element_count() != size_t(pb.E * pb.D))
     return ffi::Error::InvalidArgument("moe_experts: b1 must be [E, 2, F] and b2 [E, D]");
   if (sorted_token.element_count() != sorted_weight.element_count() ||
@@ -354,7 +448,7 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (out->element_count() != x.element_count())
     return ffi::Error::InvalidArgument("moe_experts: out must be [T, D]");
   if (act < kSilu || act > kSwigluOai) return ffi::Error::InvalidArgument("moe_experts: unknown activation");
-  pb.x = x.typed_data(), pb.w1 = w1.typed_data(), pb.w2 = w2.typed_data();
+  pb.x = x.typed_data();
   pb.b1 = b1.typed_data(), pb.b2 = b2.typed_data();
   pb.sorted_token = sorted_token.typed_data(), pb.sorted_weight = sorted_weight.typed_data();
   pb.group_begin = group_begin.typed_data();
@@ -379,8 +473,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillMoeExperts, MoeExpertsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w1 [E, 2, D, F]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w2 [E, F, D]
+                                  .Arg<ffi::AnyBuffer>()  // w1 [E, 2, D, F]: f32, s8, f8e4m3fn or f8e5m2
+                                  .Arg<ffi::AnyBuffer>()  // w2 [E, F, D]: likewise
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w1_scale [E, 2, D / wsz, F] ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w2_scale [E, F / wsz, D] ([0]: none)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b1 [E, 2, F]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b2 [E, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // sorted_token [A]
@@ -389,4 +485,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillMoeExperts, MoeExpertsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, D]
                                   .Attr<int32_t>("act")
                                   .Attr<float>("alpha")
-                                  .Attr<float>("limit"));
+                                  .Attr<float>("limit")
+                                  .Attr<int64_t>("wsz"));  // rows per scale window (0: float32 weights)
