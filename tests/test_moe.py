@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenmill.ops.moe import _decode_float8, fused_moe, quantize_expert_weights, ref_moe, route, tile_layout
+from tokenmill.ops.moe import _decode_float8, fused_moe, ref_moe, route, tile_layout
+from tokenmill.ops.quantization import quantize_windows
 
 F32_REL = 1e-5
 WSZ = 8  # the sub-channel quantization window of these tests
@@ -139,7 +140,7 @@ def test_idle_experts_cost_no_tiles():
 
 def quantized(a: dict, dtype) -> dict:
     """a with w1 and w2 quantized to `dtype` and their scales beside them."""
-    quantize = jax.jit(quantize_expert_weights, static_argnums=(1, 2, 3))
+    quantize = jax.jit(quantize_windows, static_argnums=(1, 2, 3))
     q = dict(a)
     q["w1"], q["w1_scale"] = quantize(a["w1"], dtype, WSZ, 2)
     q["w2"], q["w2_scale"] = quantize(a["w2"], dtype, WSZ, 1)
@@ -219,4 +220,4 @@ def test_bad_arguments(call, match):
 
 def test_quantize_needs_wsz_to_divide_the_reduction_axis():
     with pytest.raises(ValueError, match="wsz"):
-        quantize_expert_weights(jnp.zeros((2, 24, 16)), jnp.int8, 16, reduction_axis=1)
+        quantize_windows(jnp.zeros((2, 24, 16)), jnp.int8, 16, reduction_axis=1)

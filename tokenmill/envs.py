@@ -43,6 +43,13 @@ VARIABLES: dict[str, _Var] = {
         "reference (always the jnp reference), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "reference", "cpu_kernel"),
     ),
+    "TOKENMILL_LINEAR_BACKEND": _Var(
+        str.lower,
+        "auto",
+        "linear layers of 8-bit (--quantization) models: auto (the C++ kernel on CPU when it builds, else jnp), "
+        "jnp (dequantize, then XLA's dot), cpu_kernel (always the C++ kernel; error if it cannot build)",
+        choices=("auto", "jnp", "cpu_kernel"),
+    ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,
         "auto",

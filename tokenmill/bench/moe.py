@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenmill.ops.moe import fused_moe, quantize_expert_weights, ref_moe, route
+from tokenmill.ops.moe import fused_moe, ref_moe, route
+from tokenmill.ops.quantization import quantize_windows
 
 QUANT_DTYPES = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 SEED = 0
@@ -53,7 +54,7 @@ def run(args) -> dict:
     arrays = _inputs(args, dtype)
     options = dict(top_k=k, renormalize_topk_logits=True, act_fn="silu")
     if args.quant != "none":
-        quantize = jax.jit(quantize_expert_weights, static_argnums=(1, 2, 3))
+        quantize = jax.jit(quantize_windows, static_argnums=(1, 2, 3))
         arrays["w1"], arrays["w1_scale"] = quantize(arrays["w1"], QUANT_DTYPES[args.quant], args.wsz, 2)
         arrays["w2"], arrays["w2_scale"] = quantize(arrays["w2"], QUANT_DTYPES[args.quant], args.wsz, 1)
         options["subc_quant_wsz"] = args.wsz

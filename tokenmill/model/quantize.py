@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokenmill.model.loader import LoadedModel
-from tokenmill.ops.moe import quantize_expert_weights
+from tokenmill.ops.quantization import quantize_windows
 
 EXPERT_QUANTIZATIONS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
@@ -34,7 +34,7 @@ def quantize_experts(model: LoadedModel, kind: str, window: int) -> LoadedModel:
     dtype = EXPERT_QUANTIZATIONS[kind]
     layers = dict(model.params["layers"])
     for key, axis in (("w1", 2), ("w2", 1)):  # reduction axis of one layer's [E, 2, D, F] / [E, F, D]
-        pairs = [quantize_expert_weights(jnp.asarray(w), dtype, window, axis) for w in layers[key]]
+        pairs = [quantize_windows(jnp.asarray(w), dtype, window, axis) for w in layers[key]]
         layers[key] = np.stack([np.asarray(q) for q, _ in pairs])  # one layer at a time bounds the peak
         layers[key + "_scale"] = np.stack([np.asarray(s, np.float32) for _, s in pairs])
     config = dataclasses.replace(cfg, expert_quantization=kind, expert_quant_window=window)

@@ -39,7 +39,7 @@ tile per expert 1.2 s. Below 16 rows XLA emits its own matrix-vector code, cheap
 hence the 1- and 8-row sizes for decode-sized groups.
 
 Quantized expert weights (int8, fp8 e4m3 / e5m2, fp4 e2m1) carry one float32 scale per
-window of `subc_quant_wsz` rows along the reduction axis (`quantize_expert_weights` makes them).
+window of `subc_quant_wsz` rows along the reduction axis (`ops.quantization.quantize_windows` makes them).
 
 With a `mesh` (axes "data", "model") the experts are sharded over "model" (expert parallel): every
 device takes all tokens and the routing, computes the assignments to its own experts, and the partial
@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from tokenmill import envs
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.cpu import moe as cpu_moe
+from tokenmill.ops.quantization import dequantize as _dequantize
 
 # The row counts a tile is computed with (see the module docstring for why these).
 _TILE_SIZES = (1, 8, 32, 64, 128, 256)
@@ -70,39 +71,6 @@ ACT_FNS = ("silu", "gelu", "gelu_pytorch_tanh", "swigluoai")
 # Expert weight dtypes that need scales: int8, the 8-bit floats and fp4 (e2m1; XLA:CPU in jaxlib
 # 0.10.2 converts it, as tests/test_moe.py checks).
 QUANT_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn)
-
-
-def _quant_max(dtype) -> float:
-    """The largest magnitude a quantized value takes: 127 for int8, the finfo max for the floats."""
-    if jnp.issubdtype(dtype, jnp.integer):
-        return float(jnp.iinfo(dtype).max)
-    return float(jnp.finfo(dtype).max)
-
-
-def quantize_expert_weights(w: jax.Array, dtype, wsz: int, reduction_axis: int) -> tuple[jax.Array, jax.Array]:
-    """Symmetric sub-channel quantization: one float32 scale (absmax / qmax) per window of `wsz`
-    consecutive entries along `reduction_axis`. w1 [E, 2, D, F] takes axis 2 (scale [E, 2, D // wsz, F]),
-    w2 [E, F, D] axis 1 (scale [E, F // wsz, D])."""
-    axis = reduction_axis % w.ndim
-    if wsz <= 0 or w.shape[axis] % wsz:
-        raise ValueError(f"wsz={wsz} does not divide the reduction dimension {w.shape[axis]}")
-    windows = w.astype(jnp.float32).reshape(w.shape[:axis] + (w.shape[axis] // wsz, wsz) + w.shape[axis + 1 :])
-    absmax = jnp.max(jnp.abs(windows), axis=axis + 1, keepdims=True)
-    # an all-zero window keeps scale 1 so that dividing by it stays finite
-    scale = jnp.where(absmax > 0, absmax / _quant_max(dtype), 1.0)
-    scaled = windows / scale
-    if jnp.issubdtype(dtype, jnp.integer):
-        scaled = jnp.clip(jnp.round(scaled), -_quant_max(dtype), _quant_max(dtype))
-    return scaled.astype(dtype).reshape(w.shape), jnp.squeeze(scale, axis + 1)
-
-
-def _dequantize(q: jax.Array, scale: jax.Array | None, wsz: int | None, reduction_axis: int, dtype) -> jax.Array:
-    """q with its window scales applied, in `dtype`; called on one expert's weights at a time."""
-    if scale is None:
-        return q.astype(dtype)
-    axis = reduction_axis % q.ndim
-    windows = q.astype(jnp.float32).reshape(q.shape[:axis] + (q.shape[axis] // wsz, wsz) + q.shape[axis + 1 :])
-    return (windows * jnp.expand_dims(scale, axis + 1)).reshape(q.shape).astype(dtype)
 
 
 def route(gating_output: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:

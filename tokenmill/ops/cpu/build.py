@@ -1,8 +1,9 @@
 """Compile the package's C++ CPU kernels on first use, cache the shared library, register FFI targets.
 
 The library is built with the system C++ compiler (`$CXX`, else g++, else c++) against the XLA FFI
-headers that ship with jaxlib, into `~/.cache/tokenmill/kernels/<name>-<hash>.so` (a temporary directory if that is read-only), where the hash
-covers the source, the compiler and its flags, the jaxlib version and the machine. Concurrent
+headers that ship with jaxlib, into `~/.cache/tokenmill/kernels/<name>-<hash>.so` (a temporary
+directory if that is read-only), where the hash covers the source and the headers beside it, the
+compiler and its flags, the jaxlib version and the machine. Concurrent
 processes serialise on a file lock and publish the library with an atomic rename, so a half-written
 library is never loaded. The x86 build uses -mavx2 -mfma only when the CPU reports both (checked at
 run time), adding -mavx512f where it reports that too, else it is a portable -O3 build.
@@ -47,6 +48,7 @@ class Kernel:
 
 PAGED_ATTENTION = Kernel("tokenmill_paged_attention", "TokenmillPagedAttention", "paged_attention.cc")
 MOE_EXPERTS = Kernel("tokenmill_moe_experts", "TokenmillMoeExperts", "moe_experts.cc")
+LINEAR = Kernel("tokenmill_linear", "TokenmillLinear", "linear.cc")
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -103,8 +105,10 @@ def _compiler_version(cxx: str) -> str:
 
 def library_path(kernel: Kernel, cxx: str, flags: tuple[str, ...]) -> Path:
     h = hashlib.sha256()
+    headers = [path.read_bytes() for path in sorted(_SOURCE_DIR.glob("*.h"))]  # what the sources include
     for part in (
         (_SOURCE_DIR / kernel.source).read_bytes(),
+        *headers,
         _compiler_version(cxx).encode(),
         " ".join(flags).encode(),
         jaxlib.__version__.encode(),

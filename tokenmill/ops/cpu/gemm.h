@@ -1,0 +1,337 @@
+// A float32 GEMM for the CPU kernels: C[M, N] = A[M, K] . B[K, N], with B float32 or 8-bit (int8,
+// float8 e4m3fn / e5m2) plus one float32 scale per window of rows and column, dequantized as it is
+// packed. Included by moe_experts.cc and linear.cc (one translation unit each; build.py hashes this
+// header into both libraries' names).
+//
+// GotoBLAS-style blocking: B is packed kKC x kNC at a time (L2-sized) into strips of kNR columns, A
+// into kMR-row tiles; a register-blocked micro-kernel keeps kMR x kNR of C in registers while one
+// strip of B (L1-sized) meets every row tile. The next panel of B is prefetched into L2 while the
+// current one is multiplied, so streaming the weights from memory overlaps the arithmetic.
+// The vector code uses GCC vector extensions: AVX-512 or AVX2/FMA as the build enables, else portable.
+
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVW = 16;  // floats per vector register
+#else
+constexpr int kVW = 8;
+#endif
+typedef float vf __attribute__((vector_size(kVW * sizeof(float))));
+
+#define TM_INLINE static inline __attribute__((always_inline))
+
+// Register blocking: kMR rows x kNR columns of C live in kMR * kNV vector registers.
+constexpr int kNV = 2;
+constexpr int kNR = kNV * kVW;
+constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
+constexpr int64_t kKC = 256;  // rows of B per packed panel
+constexpr int64_t kNC = 256;  // columns of B per packed panel (kKC x kNC floats: 256 KiB, L2-sized)
+
+TM_INLINE vf loadv(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+TM_INLINE void storev(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+
+// float8 code → float32 value, for every code of e4m3fn (no infinities; S.1111.111 is NaN) and of
+// e5m2 (IEEE-like)
+static std::array<float, 256> float8_table(int mantissa_bits, int bias, bool ieee) {
+  std::array<float, 256> table{};
+  for (int code = 0; code < 256; ++code) {
+    const int magnitude = code & 0x7f;
+    const int exponent = magnitude >> mantissa_bits, mantissa = magnitude & ((1 << mantissa_bits) - 1);
+    const int top = (1 << (7 - mantissa_bits)) - 1;
+    float value;
+    if (ieee && exponent == top)
+      value = mantissa == 0 ? INFINITY : NAN;
+    else if (!ieee && magnitude == 0x7f)
+      value = NAN;
+    else if (exponent == 0)
+      value = std::ldexp(float(mantissa), 1 - bias - mantissa_bits);
+    else
+      value = std::ldexp(float(mantissa + (1 << mantissa_bits)), exponent - bias - mantissa_bits);
+    table[code] = code & 0x80 ? -value : value;
+  }
+  return table;
+}
+static const std::array<float, 256> kE4M3 = float8_table(3, 7, false);
+static const std::array<float, 256> kE5M2 = float8_table(2, 15, true);
+
+// A weight matrix B[K, N], row-major: float32, or 8-bit codes (int8, or float8 decoded through
+// `table`) with one float32 scale per window of `wsz` rows and column (scale [K / wsz, N]).
+struct Weights {
+  const char* data = nullptr;
+  int64_t N = 0;
+  int elem = 4;  // bytes per value
+  const float* table = nullptr;  // float8 only
+  bool is_int8 = false;
+  const float* scale = nullptr;  // nullptr: float32 values
+  int64_t wsz = 0;
+
+  // the sub-matrix that starts `values` values and `scales` scales further on (another expert's)
+  Weights at(int64_t values, int64_t scales) const {
+    Weights w = *this;
+    w.data += values * elem;
+    if (w.scale != nullptr) w.scale += scales;
+    return w;
+  }
+};
+
+// The cache lines of the next panel of B, fetched into L2 a few at a time while the current panel
+// is multiplied, so that streaming the weights from memory overlaps the arithmetic.
+struct Prefetch {
+  const char* row = nullptr;  // the current row's first byte
+  int64_t stride = 0;  // bytes between rows
+  int64_t row_lines = 0;  // cache lines per row
+  int64_t rows_left = 0;
+  int64_t line = 0;  // the next line within the row
+
+  Prefetch() = default;
+  // rows [k0, k0 + rows) x columns [n0, n0 + cols) of B (its scales are few: left to the hardware)
+  Prefetch(const Weights& B, int64_t k0, int64_t n0, int64_t rows, int64_t cols)
+      : row(B.data + (k0 * B.N + n0) * B.elem),
+        stride(B.N * B.elem),
+        row_lines((cols * B.elem + 63) / 64),
+        rows_left(rows) {}
+
+  inline __attribute__((always_inline)) void step() {
+    if (rows_left <= 0) return;
+    __builtin_prefetch(row + line * 64, 0, 2);
+    if (++line == row_lines) {
+      line = 0;
+      row += stride;
+      --rows_left;
+    }
+  }
+};
+
+TM_INLINE vf splat(float x) { return x - vf{}; }  // (x + 0 is not x for x = -0: it would cost an add)
+
+// C[0:M, 0:cols] = (accumulate ? C : 0) + A[0:M, 0:kc] . B[0:kc, 0:kNR], from packed operands: PA
+// holds A k-major (kMR floats per k, rows past M unused), PB one strip of B (kNR floats per k,
+// zero past `cols`).
+template <int M>
+static void micro_kernel(int64_t kc, const float* PA, const float* PB, float* C, int64_t ldc, int cols,
+                         bool accumulate, Prefetch& pf) {
+  vf c[M][kNV];
+  const bool full = cols == kNR;
+  float tail[M][kNR];
+  if (!full && accumulate)
+    for (int i = 0; i < M; ++i) std::memcpy(tail[i], C + i * ldc, cols * sizeof(float));
+  for (int i = 0; i < M; ++i) {
+    const float* row = full ? C + i * ldc : tail[i];
+    for (int j = 0; j < kNV; ++j) c[i][j] = accumulate ? loadv(row + j * kVW) : vf{};
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    vf b[kNV];
+    for (int j = 0; j < kNV; ++j) b[j] = loadv(PB + k * kNR + j * kVW);
+    pf.step();
+    for (int i = 0; i < M; ++i) {
+      const vf a = splat(PA[k * kMR + i]);
+      for (int j = 0; j < kNV; ++j) c[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    float* row = full ? C + i * ldc : tail[i];
+    for (int j = 0; j < kNV; ++j) storev(row + j * kVW, c[i][j]);
+  }
+  if (!full)
+    for (int i = 0; i < M; ++i) std::memcpy(C + i * ldc, tail[i], cols * sizeof(float));
+}
+
+using MicroKernel = void (*)(int64_t, const float*, const float*, float*, int64_t, int, bool, Prefetch&);
+
+template <int... Ms>
+constexpr auto micro_table(std::integer_sequence<int, Ms...>) {
+  return std::array<MicroKernel, sizeof...(Ms)>{&micro_kernel<Ms + 1>...};
+}
+constexpr auto kMicroKernels = micro_table(std::make_integer_sequence<int, kMR>{});  // [m - 1]: m rows
+
+TM_INLINE int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// A[M, K] (row-major) → for each block of kKC columns k0 and each block of kMR rows, a kc x kMR
+// k-major tile at PA + k0 * round_up(M, kMR) + (m0 / kMR) * kc * kMR
+static void pack_a(int64_t M, int64_t K, const float* A, float* PA) {
+  const int64_t m_pad = round_up(M, kMR);
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t kc = std::min(kKC, K - k0);
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      float* tile = PA + k0 * m_pad + (m0 / kMR) * kc * kMR;
+      const int64_t m = std::min<int64_t>(kMR, M - m0);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* row = A + (m0 + i) * K + k0;
+        for (int64_t k = 0; k < kc; ++k) tile[k * kMR + i] = row[k];
+      }
+    }
+  }
+}
+
+// kVW int8 values → float32 (GCC's generic conversion goes one lane at a time: use the ISA's)
+TM_INLINE vf int8_to_float(const char* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  float values[kVW];
+  for (int j = 0; j < kVW; ++j) values[j] = float(reinterpret_cast<const int8_t*>(p)[j]);
+  return loadv(values);
+#endif
+}
+
+// B[k0:k0+kc, n0:n0+nc] → strips of kNR columns, each kc x kNR contiguous float32, zero-padded;
+// 8-bit values are decoded and scaled here, one panel at a time
+static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t n0, float* PB) {
+  const int64_t strips = (nc + kNR - 1) / kNR;
+  for (int64_t k = 0; k < kc; ++k) {
+    const char* row = B.data + ((k0 + k) * B.N + n0) * B.elem;
+    const float* scale = B.scale == nullptr ? nullptr : B.scale + ((k0 + k) / B.wsz) * B.N + n0;
+    for (int64_t s = 0; s < strips; ++s) {
+      float* dst = PB + (s * kc + k) * kNR;
+      const int64_t first = s * kNR, n = std::min<int64_t>(kNR, nc - first);
+      if (scale == nullptr) {
+        std::memcpy(dst, row + first * 4, n * sizeof(float));
+      } else if (B.is_int8 && n == kNR) {
+        for (int v = 0; v < kNV; ++v)
+          storev(dst + v * kVW, int8_to_float(row + first + v * kVW) * loadv(scale + first + v * kVW));
+      } else if (B.is_int8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(row) + first;
+        for (int64_t j = 0; j < n; ++j) dst[j] = float(q[j]) * scale[first + j];
+      } else {
+        const uint8_t* q = reinterpret_cast<const uint8_t*>(row) + first;
+        for (int64_t j = 0; j < n; ++j) dst[j] = B.table[q[j]] * scale[first + j];
+      }
+      if (n < kNR) std::memset(dst + n, 0, (kNR - n) * sizeof(float));
+    }
+  }
+}
+
+// Packing space for gemm: A for up to `rows` x `depth`, one B panel.
+struct GemmBuffers {
+  std::vector<float> a, b;
+  GemmBuffers(int64_t rows, int64_t depth) : a(round_up(rows, kMR) * depth), b(kKC * round_up(kNC, kNR)) {}
+};
+
+// A few rows times B, read once straight from memory: at a batch of one to four rows, packing B
+// would cost more than the arithmetic it feeds. y[0:M, n0:n1] = x[0:M, 0:K] . B[:, n0:n1], x and y
+// row-major (leading dimensions K and N).
+constexpr int kGemvRows = 4;
+constexpr int kGemvVectors = 4;  // columns per pass: kGemvVectors vectors of each row of B
+
+
+// One vector of row k of B from column n on, as float32; `scale` points at the scales of row k's
+// window (unused for float32 weights)
+TM_INLINE vf load_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
+  const char* row = B.data + (k * B.N + n) * B.elem;
+  if (B.scale == nullptr) return loadv(reinterpret_cast<const float*>(row));
+  if (B.is_int8) return int8_to_float(row) * loadv(scale + n);
+  float decoded[kVW];
+  for (int j = 0; j < kVW; ++j) decoded[j] = B.table[static_cast<uint8_t>(row[j])];
+  return loadv(decoded) * loadv(scale + n);
+}
+
+TM_INLINE float load_weight(const Weights& B, int64_t k, int64_t n) {
+  const char* at = B.data + (k * B.N + n) * B.elem;
+  if (B.scale == nullptr) return *reinterpret_cast<const float*>(at);
+  const float scale = B.scale[(k / B.wsz) * B.N + n];
+  return (B.is_int8 ? float(*reinterpret_cast<const int8_t*>(at)) : B.table[static_cast<uint8_t>(*at)]) * scale;
+}
+
+template <int M>
+static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
+  constexpr int64_t cols = kGemvVectors * kVW;
+  int64_t n = n0;
+  for (; n + cols <= n1; n += cols) {
+    vf acc[M][kGemvVectors] = {};
+    const int64_t window = B.scale == nullptr ? K : B.wsz;
+    for (int64_t k0 = 0; k0 < K; k0 += window) {
+      const float* scale = B.scale == nullptr ? nullptr : B.scale + (k0 / window) * B.N;
+      for (int64_t k = k0; k < k0 + window; ++k) {
+        __builtin_prefetch(B.data + ((k + 16) * B.N + n) * B.elem, 0, 3);
+        vf b[kGemvVectors];
+        for (int j = 0; j < kGemvVectors; ++j) b[j] = load_weights(B, k, n + j * kVW, scale);
+        for (int m = 0; m < M; ++m) {
+          const vf a = splat(x[m * K + k]);
+          for (int j = 0; j < kGemvVectors; ++j) acc[m][j] += a * b[j];
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kGemvVectors; ++j) storev(y + m * B.N + n + j * kVW, acc[m][j]);
+  }
+  for (; n < n1; ++n)  // the columns past the last whole pass (small models)
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * load_weight(B, k, n);
+      y[m * B.N + n] = acc;
+    }
+}
+
+static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return gemv<1>(K, x, B, y, n0, n1);
+    case 2: return gemv<2>(K, x, B, y, n0, n1);
+    case 3: return gemv<3>(K, x, B, y, n0, n1);
+    default: return gemv<4>(K, x, B, y, n0, n1);
+  }
+}
+
+// Rows of A per pass over a packed strip of B: a kMC x kKC block of packed A stays in L2.
+constexpr int64_t kMC = 8 * kMR;
+
+// C[:, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N columns);
+// `panel` holds one packed panel of B. `next`, when given, is the B of the GEMM that follows: its
+// first panel is prefetched during the last panel of this one.
+static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
+                        int64_t n_begin, int64_t n_end, const Weights* next = nullptr) {
+  const int64_t m_pad = round_up(M, kMR);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kNC) {
+    const int64_t nc = std::min(kNC, n_end - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      const int64_t kc = std::min(kKC, K - k0);
+      pack_b(kc, nc, B, k0, n0, panel);
+      Prefetch pf;
+      if (k0 + kKC < K)
+        pf = Prefetch(B, k0 + kKC, n0, std::min(kKC, K - k0 - kKC), nc);
+      else if (n0 + kNC < n_end)
+        pf = Prefetch(B, 0, n0 + kNC, std::min(kKC, K), std::min(kNC, n_end - n0 - kNC));
+      else if (next != nullptr)
+        pf = Prefetch(*next, 0, 0, kKC, std::min(kNC, next->N));
+      for (int64_t mc = 0; mc < M; mc += kMC) {
+        for (int64_t s = 0; s * kNR < nc; ++s) {
+          const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
+          for (int64_t m0 = mc; m0 < std::min(M, mc + kMC); m0 += kMR) {
+            const int m = int(std::min<int64_t>(kMR, M - m0));
+            kMicroKernels[m - 1](kc, PA + k0 * m_pad + (m0 / kMR) * kc * kMR, panel + s * kc * kNR,
+                                 C + m0 * N + n0 + s * kNR, N, cols, k0 > 0, pf);
+          }
+        }
+      }
+    }
+  }
+}
+
+// C[M, N] = A[M, K] . B[K, N], all row-major (leading dimensions K, N, N).
+static void gemm(int64_t M, int64_t N, int64_t K, const float* A, const Weights& B, float* C, GemmBuffers& buf,
+                 const Weights* next = nullptr) {
+  pack_a(M, K, A, buf.a.data());
+  gemm_packed(M, N, K, buf.a.data(), B, C, buf.b.data(), 0, N, next);
+}
+
+}  // namespace

@@ -1,0 +1,92 @@
+// A linear layer on CPU, called from JAX through the XLA FFI (target "tokenmill_linear");
+// tokenmill/ops/cpu/linear.py is its Python side.
+//
+//   y[M, N] = x[M, K] . w[layer]      for w the [L, K, N] stack of every layer's weights
+//
+// The layer is an operand, not a slice: inside the model's scan over layers, a custom call given
+// one layer's slice would make XLA copy it out of the stack first, i.e. read the weights twice.
+// Weights are float32, or 8-bit (int8, float8 e4m3fn / e5m2) with one float32 scale per window of
+// `wsz` rows and column (scale [L, K / wsz, N]), dequantized as they are packed (gemm.h): decoding a
+// batch of one reads a quarter of the bytes of float32.
+//
+// The columns are cut into blocks (about four per thread) that the threads of XLA's intra-op pool
+// claim (ffi_helpers.h). Up to kGemvRows rows (decoding) each block streams its weights straight
+// through gemv; more rows pack A once and run gemm.h's blocked GEMM over each block. The layer index
+// follows jnp indexing: negative wraps once, then it is clamped into range.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ffi_helpers.h"
+#include "gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+int64_t wrap_clamp(int64_t i, int64_t n) {
+  if (i < 0) i += n;
+  return std::min<int64_t>(std::max<int64_t>(i, 0), n - 1);
+}
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("linear: expected x [M, K] and w [L, K, N]");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[2];
+  if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(M * N))
+    return ffi::Error::InvalidArgument("linear: expected a scalar layer and y [M, N]");
+  Weights all;
+  if (const char* problem = weights_of(w, scale, wsz, K, N, all); *problem)
+    return ffi::Error::InvalidArgument(std::string("linear: ") + problem);
+  const int64_t l = wrap_clamp(layer.typed_data()[0], L);
+  const Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
+  float* out = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(out, out + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : kNR;
+  const int64_t block = round_up(std::max<int64_t>(unit, (N + 4 * threads - 1) / (4 * threads)), unit);
+  const int64_t blocks = (N + block - 1) / block;
+  struct NoState {};
+  if (M <= kGemvRows) {
+    const float* xp = x.typed_data();
+    parallel_for<NoState>(
+        pool, blocks, [] { return std::make_unique<NoState>(); },
+        [&](int64_t i, NoState&) { gemv_rows(M, K, xp, weights, out, i * block, std::min(N, (i + 1) * block)); });
+    return ffi::Error::Success();
+  }
+  std::vector<float> packed_a(round_up(M, kMR) * K);
+  pack_a(M, K, x.typed_data(), packed_a.data());
+  const float* pa = packed_a.data();
+  parallel_for<NoState>(
+      pool, blocks, [] { return std::make_unique<NoState>(); },
+      [&](int64_t i, NoState&) {
+        // one packed panel per thread, kept across calls (a fresh 256 KiB buffer costs page faults)
+        thread_local std::vector<float> panel(kKC * round_up(kNC, kNR));
+        gemm_packed(M, N, K, pa, weights, out, panel.data(), i * block, std::min(N, (i + 1) * block));
+      });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N]: f32, s8, f8e4m3fn or f8e5m2
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K / wsz, N] ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("wsz"));  // rows per scale window (0: float32 weights)

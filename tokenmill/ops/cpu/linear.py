@@ -1,0 +1,41 @@
+"""The C++ linear kernel (linear.cc), called through JAX's FFI: y = x . w[layer].
+
+`w` is the [L, K, N] stack of every layer's weights and `layer` a traced index: inside the model's
+scan, handing the kernel one layer's slice would make XLA copy it out of the stack on every step.
+Float32 weights, or 8-bit ones (int8, float8 e4m3fn / e5m2) with one scale per window of `wsz` rows
+and column, dequantized inside the kernel as they are packed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokenmill.ops.cpu.build import LINEAR, build_error, load
+
+_F32 = jnp.dtype(jnp.float32)
+_8BIT = {jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)}
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it on first call)."""
+    return load(LINEAR)
+
+
+def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
+    """Whether the kernel computes these operands (assumes the platform is CPU)."""
+    if jnp.dtype(x.dtype) != _F32 or x.ndim != 2 or w.ndim != 3:
+        return False
+    return jnp.dtype(w.dtype) in _8BIT if scale is not None else jnp.dtype(w.dtype) == _F32
+
+
+def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
+    """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]) → f32[M, N]."""
+    if not available():
+        raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
+    scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call(LINEAR.target, out)(
+        x, w, scale, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0)
+    )

@@ -1,0 +1,48 @@
+"""The linear layers of a model's stacked weights: y = x . w[layer], w float32 or 8-bit.
+
+`w` is the [L, K, N] stack of every layer's weights (what the model's scan runs over) and `layer`
+the index, traced inside the scan; 8-bit weights carry one scale per window of `wsz` rows and
+column (`ops.quantization`). On CPU the C++ kernel (ops/cpu/linear.cc) computes it, reading the
+layer in place and dequantizing as it goes (TOKENMILL_LINEAR_BACKEND); `linear_ref`, the jnp
+reference, slices the layer, dequantizes it whole and lets XLA multiply.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tokenmill import envs
+from tokenmill.ops.cpu import linear as cpu_linear
+from tokenmill.ops.quantization import dequantize
+
+
+def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
+    """x [M, K] . w[layer] in float32 → f32[M, N]."""
+    weights = dequantize(w[layer], None if scale is None else scale[layer], wsz, 0, jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), weights, preferred_element_type=jnp.float32)
+
+
+def _use_cpu_kernel(x, w, scale) -> bool:
+    backend = envs.TOKENMILL_LINEAR_BACKEND
+    if backend == "jnp":
+        return False
+    usable = cpu_linear.usable_for(x, w, scale)
+    if backend == "cpu_kernel":
+        if not usable:
+            raise ValueError(
+                "TOKENMILL_LINEAR_BACKEND=cpu_kernel computes float32 x with float32 weights, or int8 / float8 "
+                f"weights with scales, only; got x {x.dtype}, w {w.dtype}"
+            )
+        return True
+    # one opaque call cannot be partitioned: only where nothing is sharded
+    mesh = jax.sharding.get_abstract_mesh()
+    unsharded = jax.device_count() == 1 if mesh.empty else all(size == 1 for size in mesh.shape.values())
+    return jax.default_backend() == "cpu" and usable and unsharded and cpu_linear.available()
+
+
+def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
+    """x [M, K], w [L, K, N] (scale [L, K / wsz, N] for 8-bit w) → f32[M, N] = x . w[layer]."""
+    if _use_cpu_kernel(x, w, scale):
+        return cpu_linear.linear(x, w, layer, scale, wsz)
+    return linear_ref(x, w, layer, scale, wsz)
