@@ -15,6 +15,10 @@ result() { grep '^RESULT ' | sed 's/^RESULT //' > "$OUT/$1.json"; }
 
 lock .venv/bin/tokenmill bench throughput --reps "${W1_REPS:-10}" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
 lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenmill-w2.json" > "$OUT/tokenmill-w2.log" 2>&1
+for q in int8; do  # --quantization: projections and LM head in 8 bits
+  lock .venv/bin/tokenmill bench throughput --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w1.json" > "$OUT/tokenmill-$q-w1.log" 2>&1
+  lock .venv/bin/tokenmill bench latency --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w2.json" > "$OUT/tokenmill-$q-w2.log" 2>&1
+done
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
 (cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w2 --reps "$REPS") | result llama-q4_1-w2

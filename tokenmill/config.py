@@ -63,6 +63,10 @@ class ModelConfig:
     # "fp8_e4m3" or "fp8_e5m2", with one scale per `expert_quant_window` rows of the reduction axis
     expert_quantization: str | None = None
     expert_quant_window: int = 0
+    # set when the dense projections and the LM head were quantized at load time (`--quantization`):
+    # "int8", "fp8_e4m3" or "fp8_e5m2", one scale per `quant_window` rows of each reduction axis
+    quantization: str | None = None
+    quant_window: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -231,6 +235,8 @@ class EngineConfig:
     # quantize the experts of an MoE model at load time: "int8" | "fp8_e4m3" | "fp8_e5m2"
     expert_quantization: str | None = None
     expert_quantization_window: int = 256  # rows of the reduction axis per scale
+    # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2"
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -245,7 +251,8 @@ class EngineConfig:
         return self
 
 
-_ENGINE_ARGS = {"dtype", "seed", "async_scheduling", "expert_quantization", "expert_quantization_window"}
+_ENGINE_ARGS = {"dtype", "seed", "async_scheduling", "expert_quantization", "expert_quantization_window",
+                "quantization"}
 
 
 def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:

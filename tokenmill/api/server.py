@@ -149,7 +149,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Metrics | Non
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": state.started_at, "owned_by": "tokenmill",
-             "root": engine.model.source, "parent": None, "max_model_len": engine.max_model_len}
+             "root": engine.model.source, "parent": None, "max_model_len": engine.max_model_len,
+             "quantization": engine.config.quantization}
             for name in settings.served_model_names
         ]}
 
@@ -275,6 +276,8 @@ async def serve(args) -> int:
                            enable_expert_parallel=args.enable_expert_parallel)
         engine_args.update(data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend)
         engine_args["distributed_executor_backend"] = args.distributed_executor_backend
+        if args.quantization is not None:
+            engine_args["quantization"] = args.quantization
         if args.expert_quantization is not None:
             engine_args.update(expert_quantization=args.expert_quantization,
                                expert_quantization_window=args.expert_quantization_window)

@@ -93,6 +93,8 @@ def run(args) -> dict:
     engine_args.update(tensor_parallel_size=args.tensor_parallel_size,
                        enable_expert_parallel=args.enable_expert_parallel,
                        distributed_executor_backend=args.distributed_executor_backend)
+    if args.quantization is not None:
+        engine_args["quantization"] = args.quantization
     if args.expert_quantization is not None:
         engine_args.update(expert_quantization=args.expert_quantization,
                            expert_quantization_window=args.expert_quantization_window)

@@ -15,7 +15,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.distributed.mesh import check_model_fits, make_mesh
 from tokenmill.executor import distributed_executor_backend
 from tokenmill.model.loader import LoadedModel, load_config, load_model
-from tokenmill.model.quantize import quantize_experts
+from tokenmill.model.quantize import quantize_experts, quantize_linear_layers
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.compilation_cache import enable_compilation_cache
 from tokenmill.worker.memory import free_device_memory
@@ -58,6 +58,11 @@ def prepare_model(config: EngineConfig, model: LoadedModel | None) -> LoadedMode
         model = quantize_experts(model, config.expert_quantization, config.expert_quantization_window)
         logger.info("experts quantized at load time to %s, one scale per %d rows",
                     config.expert_quantization, config.expert_quantization_window)
+    if config.quantization and not model.config.quantization:
+        model = quantize_linear_layers(model, config.quantization)
+        window = model.config.quant_window
+        logger.info("projections and LM head quantized at load time to %s, one scale per %s",
+                    config.quantization, f"{window} rows" if window else "column")
     return model
 
 

@@ -12,14 +12,18 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tokenmill.config import ModelConfig
-from tokenmill.ops.activations import gated_mlp
+from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.ops.linear import linear
 from tokenmill.ops.moe import fused_moe
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
 
 # A window no context reaches: what full-attention layers use when others slide (one scan body).
 NO_WINDOW = np.iinfo(np.int32).max // 2
+# The dense projections of a layer, [L, K, N] each over the layers: with `--quantization` they are
+# 8-bit and go through ops.linear, which reads a layer in place by its index.
+LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -49,17 +53,36 @@ def param_specs(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         layers.update(q_norm=P(None, None), k_norm=P(None, None))
     specs = {"embed": P(None, None), "final_norm": P(None), "layers": layers}
-    if not cfg.tie_word_embeddings:
+    if cfg.quantization:  # scales shard like their weights; the LM head is a stack of one
+        layers.update({k + "_scale": layers[k] for k in LINEAR_WEIGHTS if k in layers})
+        specs.update(lm_head_q=P(None, None, "model"), lm_head_q_scale=P(None, None, "model"))
+    elif not cfg.tie_word_embeddings:
         specs["lm_head"] = P(None, "model")
     return specs
 
 
-def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, inv_freq, scale, window):
-    """Shared by the Llama-family and Gemma 3 layers: projections, q/k norm, RoPE, cache write, attention."""
+def projections(cfg: ModelConfig, w: dict, stacked: dict, layer):
+    """The layer's `project(name, x)`: x @ the layer's weight `name`. Quantized weights come stacked
+    and are read by layer index (ops.linear); the others are the scan's slices in `w`."""
+
+    def project(name: str, x: jax.Array) -> jax.Array:
+        if name not in stacked:
+            return x @ w[name]
+        weights = stacked[name]
+        wsz = cfg.quant_window or weights.shape[1]
+        return linear(x, weights, layer, stacked[name + "_scale"], wsz).astype(x.dtype)
+
+    return project
+
+
+def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, inv_freq, scale, window, project=None):
+    """Shared by the Llama-family and Gemma 3 layers: projections, q/k norm, RoPE, cache write, attention.
+    `project(name, x)` multiplies by a projection (default: the layer's own `w[name]`)."""
+    project = project or (lambda name, h: h @ w[name])
     T = x.shape[0]
-    q = x @ w["wq"]
-    k = x @ w["wk"]
-    v = x @ w["wv"]
+    q = project("wq", x)
+    k = project("wk", x)
+    v = project("wv", x)
     if cfg.attention_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
@@ -72,16 +95,17 @@ def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, i
     k = apply_rotary(k, md.positions, inv_freq)
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=window, sinks=w.get("sinks"))
-    o = o.reshape(T, -1) @ w["wo"]
+    o = project("wo", o.reshape(T, -1))
     if cfg.o_proj_bias:
         o = o + w["bo"]
     return o, k_cache, v_cache
 
 
-def feed_forward(cfg: ModelConfig, w: dict, x: jax.Array) -> jax.Array:
+def feed_forward(cfg: ModelConfig, w: dict, x: jax.Array, project) -> jax.Array:
     """The dense gated MLP, or the mixture of experts: route each token to its top-k experts."""
     if not cfg.is_moe:
-        return gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], cfg.hidden_act)
+        h = get_activation(cfg.hidden_act)(project("w_gate", x)) * project("w_up", x)
+        return project("w_down", h)
     gating = jnp.dot(x, w["router"], preferred_element_type=jnp.float32)
     if cfg.moe_bias:
         gating = gating + w["router_bias"]
@@ -117,25 +141,34 @@ def forward(
     scale = cfg.head_dim**-0.5 * rope_attention_factor(cfg.rope_scaling_dict) ** 2
     window, per_layer_window = layer_windows(cfg)
     x = params["embed"][input_ids]
+    # quantized projections stay whole (ops.linear indexes them); the rest is sliced by the scan
+    quantized = {k for k in LINEAR_WEIGHTS if cfg.quantization and k in params["layers"]}
+    stacked = {k: v for k, v in params["layers"].items() if k in quantized or k.removesuffix("_scale") in quantized}
+    per_layer = {k: v for k, v in params["layers"].items() if k not in stacked}
 
     def layer_fn(carry, xs):
         x, k_cache, v_cache, layer = carry
         w, layer_window = xs
+        project = projections(cfg, w, stacked, layer)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         attn, k_cache, v_cache = attention_block(
-            cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window
+            cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window,
+            project,
         )
         x = x + attn
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + feed_forward(cfg, w, h)
+        x = x + feed_forward(cfg, w, h, project)
         return (x, k_cache, v_cache, layer + 1), None
 
     carry = (x, k_cache, v_cache, jnp.int32(0))
-    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, carry, (params["layers"], per_layer_window))
+    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, carry, (per_layer, per_layer_window))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k_cache, v_cache
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """hidden [N, D] → float32 logits [N, V]."""
+    if cfg.quantization:
+        head = params["lm_head_q"]
+        return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or head.shape[1])
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)

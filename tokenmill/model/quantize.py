@@ -1,9 +1,16 @@
-"""Load-time quantization of a mixture-of-experts model's experts (`--expert-quantization`).
+"""Load-time quantization: a mixture-of-experts model's experts (`--expert-quantization`), or a
+model's dense projections and LM head (`--quantization`).
 
 The experts hold almost all of an MoE model's weights, and each token reads only k of them, so
 they are what is worth storing in 8 bits. Each layer's w1 [E, 2, D, F] and w2 [E, F, D] become
 int8 or fp8 with one float32 scale per window of rows along the reduction axis (D for w1, F for
 w2): the sub-channel layout `tokenmill.ops.moe.fused_moe` dequantizes tile by tile.
+
+`--quantization` stores the attention and MLP projections of every layer and the LM head in the
+same layout, one scale per LINEAR_WINDOW rows of the reduction axis (per output column when that
+does not divide every reduction axis of the model), for `tokenmill.ops.linear.linear`, which reads a layer in place and
+dequantizes as it multiplies: a decode step reads a quarter of the bytes. The embedding table
+stays float32 for the lookup (a tied LM head gets its own quantized copy).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from tokenmill.model.loader import LoadedModel
 from tokenmill.ops.quantization import quantize_windows
 
 EXPERT_QUANTIZATIONS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+QUANTIZATIONS = EXPERT_QUANTIZATIONS  # --quantization takes the same formats
+LINEAR_WINDOW = 64  # rows per scale (llama.cpp's Q8_0 blocks hold 32)
 
 
 def quantize_experts(model: LoadedModel, kind: str, window: int) -> LoadedModel:
@@ -39,3 +48,34 @@ def quantize_experts(model: LoadedModel, kind: str, window: int) -> LoadedModel:
         layers[key + "_scale"] = np.stack([np.asarray(s, np.float32) for _, s in pairs])
     config = dataclasses.replace(cfg, expert_quantization=kind, expert_quant_window=window)
     return dataclasses.replace(model, config=config, params={**model.params, "layers": layers})
+
+
+def quantize_linear_layers(model: LoadedModel, kind: str) -> LoadedModel:
+    """A copy of `model` whose dense projections and LM head are quantized; ValueError for bad options."""
+    from tokenmill.config import LLAMA_FAMILY
+    from tokenmill.model.llama import LINEAR_WEIGHTS
+
+    cfg = model.config
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    if cfg.architecture not in LLAMA_FAMILY:
+        raise ValueError(f"quantization={kind!r} is implemented for the Llama family; {cfg.architecture} is not")
+    if cfg.quantization:
+        raise ValueError(f"the model is quantized already ({cfg.quantization})")
+    # one window for the whole model (the forward takes it as a static value); 0: one scale per column
+    reductions = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    window = LINEAR_WINDOW if all(k % LINEAR_WINDOW == 0 for k in reductions if k) else 0
+    dtype = QUANTIZATIONS[kind]
+    layers = dict(model.params["layers"])
+    for key in LINEAR_WEIGHTS:
+        if key not in layers:  # an MoE model has no dense MLP
+            continue
+        pairs = [quantize_windows(jnp.asarray(w, jnp.float32), dtype, window or w.shape[0], 0) for w in layers[key]]
+        layers[key] = np.stack([np.asarray(q) for q, _ in pairs])  # one layer at a time bounds the peak
+        layers[key + "_scale"] = np.stack([np.asarray(s, np.float32) for _, s in pairs])
+    params = {k: v for k, v in model.params.items() if k != "lm_head"}
+    head = np.asarray(model.params["embed"]).T if cfg.tie_word_embeddings else np.asarray(model.params["lm_head"])
+    q, scale = quantize_windows(jnp.asarray(head[None], jnp.float32), dtype, window or head.shape[0], 1)
+    params.update(layers=layers, lm_head_q=np.asarray(q), lm_head_q_scale=np.asarray(scale, np.float32))
+    config = dataclasses.replace(cfg, quantization=kind, quant_window=window)
+    return dataclasses.replace(model, config=config, params=params)
