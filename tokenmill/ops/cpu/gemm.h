@@ -235,15 +235,14 @@ constexpr int kGemvRows = 4;
 constexpr int kGemvVectors = 4;  // columns per pass: kGemvVectors vectors of each row of B
 
 
-// One vector of row k of B from column n on, as float32; `scale` points at the scales of row k's
-// window (unused for float32 weights)
-TM_INLINE vf load_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
+// One vector of row k of B from column n on, as float32 and not yet scaled (8-bit codes decoded)
+TM_INLINE vf load_unscaled(const Weights& B, int64_t k, int64_t n) {
   const char* row = B.data + (k * B.N + n) * B.elem;
   if (B.scale == nullptr) return loadv(reinterpret_cast<const float*>(row));
-  if (B.is_int8) return int8_to_float(row) * loadv(scale + n);
+  if (B.is_int8) return int8_to_float(row);
   float decoded[kVW];
   for (int j = 0; j < kVW; ++j) decoded[j] = B.table[static_cast<uint8_t>(row[j])];
-  return loadv(decoded) * loadv(scale + n);
+  return loadv(decoded);
 }
 
 TM_INLINE float load_weight(const Weights& B, int64_t k, int64_t n) {
@@ -261,15 +260,21 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
     vf acc[M][kGemvVectors] = {};
     const int64_t window = B.scale == nullptr ? K : B.wsz;
     for (int64_t k0 = 0; k0 < K; k0 += window) {
-      const float* scale = B.scale == nullptr ? nullptr : B.scale + (k0 / window) * B.N;
+      // one window's sum of x times the codes, then its scales once (not once per row)
+      vf part[M][kGemvVectors] = {};
       for (int64_t k = k0; k < k0 + window; ++k) {
         __builtin_prefetch(B.data + ((k + 16) * B.N + n) * B.elem, 0, 3);
         vf b[kGemvVectors];
-        for (int j = 0; j < kGemvVectors; ++j) b[j] = load_weights(B, k, n + j * kVW, scale);
+        for (int j = 0; j < kGemvVectors; ++j) b[j] = load_unscaled(B, k, n + j * kVW);
         for (int m = 0; m < M; ++m) {
           const vf a = splat(x[m * K + k]);
-          for (int j = 0; j < kGemvVectors; ++j) acc[m][j] += a * b[j];
+          for (int j = 0; j < kGemvVectors; ++j) part[m][j] += a * b[j];
         }
+      }
+      const float* scale = B.scale == nullptr ? nullptr : B.scale + (k0 / window) * B.N + n;
+      for (int j = 0; j < kGemvVectors; ++j) {
+        const vf s = scale == nullptr ? splat(1.f) : loadv(scale + j * kVW);
+        for (int m = 0; m < M; ++m) acc[m][j] += part[m][j] * s;
       }
     }
     for (int m = 0; m < M; ++m)

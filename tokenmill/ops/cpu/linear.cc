@@ -54,13 +54,19 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::Success();
   }
 
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // below this many bytes of weights, waking a helper thread costs more than it saves
+  const bool alone = K * N * weights.elem < (int64_t(1) << 19);
+  const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : kNR;
   const int64_t block = round_up(std::max<int64_t>(unit, (N + 4 * threads - 1) / (4 * threads)), unit);
   const int64_t blocks = (N + block - 1) / block;
   struct NoState {};
   if (M <= kGemvRows) {
     const float* xp = x.typed_data();
+    if (alone) {
+      gemv_rows(M, K, xp, weights, out, 0, N);
+      return ffi::Error::Success();
+    }
     parallel_for<NoState>(
         pool, blocks, [] { return std::make_unique<NoState>(); },
         [&](int64_t i, NoState&) { gemv_rows(M, K, xp, weights, out, i * block, std::min(N, (i + 1) * block)); });
