@@ -339,4 +339,13 @@ static void gemm(int64_t M, int64_t N, int64_t K, const float* A, const Weights&
   gemm_packed(M, N, K, buf.a.data(), B, C, buf.b.data(), 0, N, next);
 }
 
+// C = A . B by whichever of gemv (up to kGemvRows rows) and gemm suits M.
+static void matmul(int64_t M, int64_t N, int64_t K, const float* A, const Weights& B, float* C, GemmBuffers& buf,
+                   const Weights* next = nullptr) {
+  if (M <= kGemvRows)
+    gemv_rows(M, K, A, B, C, 0, N);
+  else
+    gemm(M, N, K, A, B, C, buf, next);
+}
+
 }  // namespace

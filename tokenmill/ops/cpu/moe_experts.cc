@@ -11,8 +11,8 @@
 // `wsz` rows along the reduction axis: those are decoded and scaled as each panel is packed, so
 // memory carries a quarter of the bytes and the arithmetic stays float32.
 //
-// Work items are (expert, chunk of at most kChunkRows rows). Each runs three small GEMMs (gemm.h:
-// packed panels, register blocking, the next panel prefetched). Items are spread over XLA's
+// Work items are (expert, chunk of at most kChunkRows rows). Each runs three small matmuls (gemm.h:
+// packed panels, register blocking, the next panel prefetched; a GEMV for decode-sized groups). Items are spread over XLA's
 // intra-op pool (ffi_helpers.h); a token may appear in several experts, so each thread sums into its
 // own output buffer and those are added into `out` at the end.
 //
@@ -100,8 +100,8 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s) {
   const Weights gate = pb.w1.at(e * 2 * D * F, e * 2 * (D / wsz) * F);
   const Weights up = gate.at(D * F, (D / wsz) * F);
   const Weights down = pb.w2.at(e * F * D, e * (F / wsz) * D);
-  gemm(n, F, D, s.x.data(), gate, s.gate.data(), s.gemm, &up);
-  gemm(n, F, D, s.x.data(), up, s.up.data(), s.gemm, &down);
+  matmul(n, F, D, s.x.data(), gate, s.gate.data(), s.gemm, &up);
+  matmul(n, F, D, s.x.data(), up, s.up.data(), s.gemm, &down);
   const float* bg = pb.b1 + e * 2 * F;
   const float* bu = bg + F;
   for (int64_t i = 0; i < n; ++i) {
@@ -109,7 +109,7 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s) {
     const float* u = s.up.data() + i * F;
     for (int64_t f = 0; f < F; ++f) g[f] = gated(g[f] + bg[f], u[f] + bu[f], pb.act, pb.alpha, pb.limit);
   }
-  gemm(n, D, F, s.gate.data(), down, s.y.data(), s.gemm);
+  matmul(n, D, F, s.gate.data(), down, s.y.data(), s.gemm);
   const float* b2 = pb.b2 + e * D;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t t = pb.sorted_token[r0 + i];
