@@ -49,6 +49,21 @@ def test_kernel_matches_reference(monkeypatch, M, dtype):
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype):
+    """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output: a row's result
+    is bit for bit the same alone or among 150 rows (what keeps greedy output batch-invariant)."""
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    w, scale = stack(9, 2, 300, 200, dtype, 20)
+    wsz = 20 if scale is not None else None
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((150, 300)), jnp.float32)
+    call = jax.jit(lambda x: linear(x, w, 1, scale, wsz))
+    full = np.asarray(call(x))
+    for rows in (1, 3, 4, 5, 13):
+        np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
+
+
 @pytest.mark.parametrize("layer", [-1, 7, -9])
 def test_layer_index_wraps_then_clamps_like_jnp(monkeypatch, layer):
     require_kernel()

@@ -46,15 +46,15 @@ VARIABLES: dict[str, _Var] = {
     "TOKENMILL_LINEAR_BACKEND": _Var(
         str.lower,
         "auto",
-        "linear layers of 8-bit (--quantization) models: auto (the C++ kernel on CPU when it builds, else jnp), "
-        "jnp (dequantize, then XLA's dot), cpu_kernel (always the C++ kernel; error if it cannot build)",
+        "Llama-family projections (float32 or --quantization): auto (the C++ kernel on CPU when it builds, else "
+        "jnp), jnp (dequantize, then XLA's dot), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "jnp", "cpu_kernel"),
     ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,
         "auto",
-        "fused MoE expert FFNs: auto (the C++ kernel on CPU for float32 experts when it builds, else jnp), "
-        "jnp (always the jnp tiles), cpu_kernel (always the C++ kernel; error if it cannot build)",
+        "fused MoE expert FFNs: auto (the C++ kernel on CPU for float32 / int8 / fp8 experts when it builds, "
+        "else jnp), jnp (always the jnp tiles), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "jnp", "cpu_kernel"),
     ),
     "TOKENMILL_USE_MOE_EP_KERNEL": _Var(

@@ -21,8 +21,9 @@ from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_f
 
 # A window no context reaches: what full-attention layers use when others slide (one scan body).
 NO_WINDOW = np.iinfo(np.int32).max // 2
-# The dense projections of a layer, [L, K, N] each over the layers: with `--quantization` they are
-# 8-bit and go through ops.linear, which reads a layer in place by its index.
+# The dense projections of a layer, [L, K, N] each over the layers. They go through ops.linear,
+# which reads a layer in place by its index (the C++ kernel on CPU; float32, or 8-bit with
+# `--quantization`), rather than as the scan's per-layer slices.
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -62,15 +63,15 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def projections(cfg: ModelConfig, w: dict, stacked: dict, layer):
-    """The layer's `project(name, x)`: x @ the layer's weight `name`. Quantized weights come stacked
-    and are read by layer index (ops.linear); the others are the scan's slices in `w`."""
+    """The layer's `project(name, x)`: x @ the layer's weight `name`, read from the stacked weights
+    by layer index (ops.linear), or from the scan's slice `w` for weights not in `stacked`."""
 
     def project(name: str, x: jax.Array) -> jax.Array:
         if name not in stacked:
             return x @ w[name]
-        weights = stacked[name]
-        wsz = cfg.quant_window or weights.shape[1]
-        return linear(x, weights, layer, stacked[name + "_scale"], wsz).astype(x.dtype)
+        weights, scale = stacked[name], stacked.get(name + "_scale")
+        wsz = (cfg.quant_window or weights.shape[1]) if scale is not None else None
+        return linear(x, weights, layer, scale, wsz).astype(x.dtype)
 
     return project
 
@@ -141,9 +142,8 @@ def forward(
     scale = cfg.head_dim**-0.5 * rope_attention_factor(cfg.rope_scaling_dict) ** 2
     window, per_layer_window = layer_windows(cfg)
     x = params["embed"][input_ids]
-    # quantized projections stay whole (ops.linear indexes them); the rest is sliced by the scan
-    quantized = {k for k in LINEAR_WEIGHTS if cfg.quantization and k in params["layers"]}
-    stacked = {k: v for k, v in params["layers"].items() if k in quantized or k.removesuffix("_scale") in quantized}
+    # the projections stay whole (ops.linear indexes them); the rest is sliced by the scan
+    stacked = {k: v for k, v in params["layers"].items() if k.removesuffix("_scale") in LINEAR_WEIGHTS}
     per_layer = {k: v for k, v in params["layers"].items() if k not in stacked}
 
     def layer_fn(carry, xs):

@@ -18,8 +18,10 @@ from tokenmill.ops.quantization import dequantize
 
 
 def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
-    """x [M, K] . w[layer] in float32 → f32[M, N]."""
-    weights = dequantize(w[layer], None if scale is None else scale[layer], wsz, 0, jnp.float32)
+    """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N])."""
+    if scale is None:
+        return x @ w[layer]
+    weights = dequantize(w[layer], scale[layer], wsz, 0, jnp.float32)
     return jnp.dot(x.astype(jnp.float32), weights, preferred_element_type=jnp.float32)
 
 
@@ -42,7 +44,8 @@ def _use_cpu_kernel(x, w, scale) -> bool:
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
-    """x [M, K], w [L, K, N] (scale [L, K / wsz, N] for 8-bit w) → f32[M, N] = x . w[layer]."""
+    """x [M, K], w [L, K, N] (scale [L, K / wsz, N] for 8-bit w) → [M, N] = x . w[layer] (float32 on
+    the kernel and for 8-bit w, else x's dtype)."""
     if _use_cpu_kernel(x, w, scale):
         return cpu_linear.linear(x, w, layer, scale, wsz)
     return linear_ref(x, w, layer, scale, wsz)

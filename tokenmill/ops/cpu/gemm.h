@@ -235,14 +235,17 @@ constexpr int kGemvRows = 4;
 constexpr int kGemvVectors = 4;  // columns per pass: kGemvVectors vectors of each row of B
 
 
-// One vector of row k of B from column n on, as float32 and not yet scaled (8-bit codes decoded)
-TM_INLINE vf load_unscaled(const Weights& B, int64_t k, int64_t n) {
+// One vector of row k of B from column n on, as float32; `scale` points at the scales of row k's
+// window (unused for float32 weights). Scaled value by value, as pack_b does: the GEMV and the GEMM
+// then run the same chain of FMAs for every output, so a row's result does not depend on how many
+// rows share the call (batch invariance).
+TM_INLINE vf load_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
   const char* row = B.data + (k * B.N + n) * B.elem;
   if (B.scale == nullptr) return loadv(reinterpret_cast<const float*>(row));
-  if (B.is_int8) return int8_to_float(row);
+  if (B.is_int8) return int8_to_float(row) * loadv(scale + n);
   float decoded[kVW];
   for (int j = 0; j < kVW; ++j) decoded[j] = B.table[static_cast<uint8_t>(row[j])];
-  return loadv(decoded);
+  return loadv(decoded) * loadv(scale + n);
 }
 
 TM_INLINE float load_weight(const Weights& B, int64_t k, int64_t n) {
@@ -260,21 +263,15 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
     vf acc[M][kGemvVectors] = {};
     const int64_t window = B.scale == nullptr ? K : B.wsz;
     for (int64_t k0 = 0; k0 < K; k0 += window) {
-      // one window's sum of x times the codes, then its scales once (not once per row)
-      vf part[M][kGemvVectors] = {};
+      const float* scale = B.scale == nullptr ? nullptr : B.scale + (k0 / window) * B.N;
       for (int64_t k = k0; k < k0 + window; ++k) {
         __builtin_prefetch(B.data + ((k + 16) * B.N + n) * B.elem, 0, 3);
         vf b[kGemvVectors];
-        for (int j = 0; j < kGemvVectors; ++j) b[j] = load_unscaled(B, k, n + j * kVW);
+        for (int j = 0; j < kGemvVectors; ++j) b[j] = load_weights(B, k, n + j * kVW, scale);
         for (int m = 0; m < M; ++m) {
           const vf a = splat(x[m * K + k]);
-          for (int j = 0; j < kGemvVectors; ++j) part[m][j] += a * b[j];
+          for (int j = 0; j < kGemvVectors; ++j) acc[m][j] += a * b[j];
         }
-      }
-      const float* scale = B.scale == nullptr ? nullptr : B.scale + (k0 / window) * B.N + n;
-      for (int j = 0; j < kGemvVectors; ++j) {
-        const vf s = scale == nullptr ? splat(1.f) : loadv(scale + j * kVW);
-        for (int m = 0; m < M; ++m) acc[m][j] += part[m][j] * s;
       }
     }
     for (int m = 0; m < M; ++m)
@@ -283,7 +280,8 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
   for (; n < n1; ++n)  // the columns past the last whole pass (small models)
     for (int m = 0; m < M; ++m) {
       float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * load_weight(B, k, n);
+      // std::fma, as the vector lanes do (-ffp-contract may leave a scalar a * b + c unfused)
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * K + k], load_weight(B, k, n), acc);
       y[m * B.N + n] = acc;
     }
 }
