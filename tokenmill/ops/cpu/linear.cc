@@ -10,7 +10,7 @@
 // batch of one reads a quarter of the bytes of float32.
 //
 // The columns are cut into blocks (about four per thread) that the threads of XLA's intra-op pool
-// claim (ffi_helpers.h). Up to kGemvRows rows (decoding) each block streams its weights straight
+// claim (parallel.h). Up to kGemvRows rows (decoding) each block streams its weights straight
 // through gemv; more rows pack A once and run gemm.h's blocked GEMM over each block. The layer index
 // follows jnp indexing: negative wraps once, then it is clamped into range.
 
@@ -20,7 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "ffi_helpers.h"
+#include "parallel.h"
+#include "weights_ffi.h"
 #include "gemm.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -13,7 +13,7 @@
 //
 // Work items are (expert, chunk of at most kChunkRows rows). Each runs three small matmuls (gemm.h:
 // packed panels, register blocking, the next panel prefetched; a GEMV for decode-sized groups). Items are spread over XLA's
-// intra-op pool (ffi_helpers.h); a token may appear in several experts, so each thread sums into its
+// intra-op pool (parallel.h); a token may appear in several experts, so each thread sums into its
 // own output buffer and those are added into `out` at the end.
 //
 // Built by tokenmill/ops/cpu/build.py; the inner loops use GCC vector extensions, which lower to
@@ -30,7 +30,8 @@
 #include <vector>
 
 #include "gemm.h"
-#include "ffi_helpers.h"
+#include "parallel.h"
+#include "weights_ffi.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

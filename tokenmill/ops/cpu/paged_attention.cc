@@ -7,7 +7,7 @@
 // table: nothing is gathered. Online softmax over chunks of the context, fp32 accumulation;
 // per-head sink logits (gpt-oss) join each denominator at the end.
 // Query heads are grouped per KV head (GQA): one work item is a token and one or all of its kv
-// heads, and the items are spread over XLA's intra-op thread pool.
+// heads, and the items are spread over XLA's intra-op thread pool (parallel.h).
 //
 // Index semantics follow jnp indexing (what the reference does): a negative layer / request /
 // block id wraps once, then it is clamped into range, so no input can read out of bounds. A token
@@ -18,17 +18,15 @@
 // no ISA flags (portable); the inner loops use GCC vector extensions, which lower to either.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -386,62 +384,14 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   }
 }
 
-// Work items are claimed one at a time from an atomic counter by the calling thread and by
-// helper tasks on XLA's pool. The caller waits only for items that were claimed, so a helper
-// that never gets a thread (or starts after the end) cannot block it. The counters live in a
-// reference-counted block that late helpers may still touch; everything on the caller's stack
-// (the job) is dereferenced only after a successful claim, i.e. while the caller still waits.
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-template <typename QT, typename KT>
-struct Job {
-  Problem pb;
-  const QT* q;
-  const KT* kc;
-  const KT* vc;
-  QT* out;
-};
-
-template <typename QT, typename KT>
-static void work(Shared& sh, const Job<QT, KT>* job) {
-  std::unique_ptr<Scratch<KT>> scratch;
-  int64_t mine = 0;
-  for (;;) {
-    const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= sh.total) break;
-    if (!scratch) scratch = std::make_unique<Scratch<KT>>(job->pb);
-    attend<QT, KT>(job->pb, job->q, job->kc, job->vc, job->out, i, *scratch);
-    ++mine;
-  }
-  if (mine > 0 && sh.done.fetch_add(mine, std::memory_order_acq_rel) + mine == sh.total) {
-    { std::lock_guard<std::mutex> lock(sh.mu); }
-    sh.cv.notify_all();
-  }
-}
-
 template <typename QT, typename KT>
 static void run(ffi::ThreadPool& pool, Problem pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
   const int64_t threads_available = std::max<int64_t>(1, pool.num_threads());
   pb.span = pb.T >= 4 * threads_available ? pb.KVH : 1;
   const int64_t items = pb.T * (pb.KVH / pb.span);
-  if (items == 0) return;
-  const Job<QT, KT> job{pb, q, kc, vc, out};
-  auto sh = std::make_shared<Shared>();
-  sh->total = items;
-  const int64_t threads = std::min<int64_t>(threads_available, items);
-  for (int64_t i = 1; i < threads; ++i) {
-    const Job<QT, KT>* job_ptr = &job;
-    pool.Schedule([sh, job_ptr]() { work<QT, KT>(*sh, job_ptr); });
-  }
-  work<QT, KT>(*sh, &job);
-  std::unique_lock<std::mutex> lock(sh->mu);
-  sh->cv.wait(lock, [&] { return sh->done.load(std::memory_order_acquire) == items; });
+  parallel_for<Scratch<KT>>(
+      pool, items, [&pb] { return std::make_unique<Scratch<KT>>(pb); },
+      [&](int64_t i, Scratch<KT>& scratch) { attend<QT, KT>(pb, q, kc, vc, out, i, scratch); });
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,

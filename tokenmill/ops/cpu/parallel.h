@@ -1,7 +1,6 @@
-// What the CPU kernels share at their FFI boundary: parallel_for, work items spread over XLA's
-// intra-op thread pool, and weights_of, an FFI weight buffer as gemm.h's Weights.
+// parallel_for for the CPU kernels: work items spread over XLA's intra-op thread pool.
 //
-// parallel_for: items are claimed one at a time from an atomic counter by the calling thread and by helper tasks
+// Items are claimed one at a time from an atomic counter by the calling thread and by helper tasks
 // on the pool. The caller waits only for items that were claimed, so a helper that never gets a
 // thread (or starts after the end) cannot block it. The counters live in a reference-counted block
 // that late helpers may still touch; what lives on the caller's stack (make, body) is used only
@@ -15,10 +14,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <string>
 #include <vector>
 
-#include "gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -69,36 +66,6 @@ std::vector<std::unique_ptr<State>> parallel_for(xla::ffi::ThreadPool& pool, int
   std::unique_lock<std::mutex> lock(run->mu);
   run->cv.wait(lock, [&] { return run->done.load(std::memory_order_acquire) == items; });
   return std::move(run->states);
-}
-
-// `buf` as Weights with N columns and a reduction axis of `reduction` rows (the leading axes stack
-// such matrices: experts, layers); returns "" when usable, else what is wrong.
-static const char* weights_of(const xla::ffi::AnyBuffer& buf, const xla::ffi::Buffer<xla::ffi::F32>& scale, int64_t wsz,
-                              int64_t reduction, int64_t N, Weights& w) {
-  w.data = static_cast<const char*>(buf.untyped_data());
-  w.N = N;
-  switch (buf.element_type()) {
-    case xla::ffi::DataType::F32:
-      w.elem = 4;
-      return wsz == 0 ? "" : "float32 weights take no scales";
-    case xla::ffi::DataType::S8:
-      w.is_int8 = true;
-      break;
-    case xla::ffi::DataType::F8E4M3FN:
-      w.table = kE4M3.data();
-      break;
-    case xla::ffi::DataType::F8E5M2:
-      w.table = kE5M2.data();
-      break;
-    default:
-      return "weights must be float32, int8, float8_e4m3fn or float8_e5m2";
-  }
-  w.elem = 1;
-  if (wsz <= 0 || reduction % wsz != 0) return "8-bit weights need a window size that divides the reduction axis";
-  if (scale.element_count() * size_t(wsz) != buf.element_count()) return "scales must have one value per window";
-  w.scale = scale.typed_data();
-  w.wsz = wsz;
-  return "";
 }
 
 }  // namespace
