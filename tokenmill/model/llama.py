@@ -62,13 +62,11 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def projections(cfg: ModelConfig, w: dict, stacked: dict, layer):
-    """The layer's `project(name, x)`: x @ the layer's weight `name`, read from the stacked weights
-    by layer index (ops.linear), or from the scan's slice `w` for weights not in `stacked`."""
+def projections(cfg: ModelConfig, stacked: dict, layer):
+    """The layer's `project(name, x)`: x @ the layer's projection `name`, read from the [L, K, N]
+    stack by layer index (ops.linear), with its scales when it is quantized."""
 
     def project(name: str, x: jax.Array) -> jax.Array:
-        if name not in stacked:
-            return x @ w[name]
         weights, scale = stacked[name], stacked.get(name + "_scale")
         wsz = (cfg.quant_window or weights.shape[1]) if scale is not None else None
         return linear(x, weights, layer, scale, wsz).astype(x.dtype)
@@ -149,7 +147,7 @@ def forward(
     def layer_fn(carry, xs):
         x, k_cache, v_cache, layer = carry
         w, layer_window = xs
-        project = projections(cfg, w, stacked, layer)
+        project = projections(cfg, stacked, layer)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         attn, k_cache, v_cache = attention_block(
             cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window,
