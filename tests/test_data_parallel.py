@@ -129,8 +129,9 @@ def test_dp2_killed_rank_fails_every_inflight_request_within_5_s(dp_engine, loop
 
     async def scenario():
         gens = [dp_engine.generate(p, _greedy(120), f"doomed-{i}") for i, p in enumerate(PROMPTS[:4])]
-        for g in gens:
-            await g.__anext__()
+        # all four added at once (one at a time, the first could finish its 120 tokens on a fast CPU
+        # before the last has started)
+        await asyncio.gather(*(g.__anext__() for g in gens))
         assert sorted(dp_engine.client.rank_of(f"doomed-{i}") for i in range(4)) == [0, 0, 1, 1]
         # rank 0 is paused: its requests cannot finish before the death is noticed, however fast it is
         os.kill(survivor, signal.SIGSTOP)
