@@ -129,16 +129,23 @@ def test_dp2_killed_rank_fails_every_inflight_request_within_5_s(dp_engine, loop
 
     async def scenario():
         gens = [dp_engine.generate(p, _greedy(120), f"doomed-{i}") for i, p in enumerate(PROMPTS[:4])]
-        # all four added at once (one at a time, the first could finish its 120 tokens on a fast CPU
-        # before the last has started)
-        await asyncio.gather(*(g.__anext__() for g in gens))
+        firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        await asyncio.sleep(0)  # each generator adds its request, then waits for its first output
         assert sorted(dp_engine.client.rank_of(f"doomed-{i}") for i in range(4)) == [0, 0, 1, 1]
-        # rank 0 is paused: its requests cannot finish before the death is noticed, however fast it is
+        # rank 0 is paused at once: none of the four can finish before the death is noticed, however
+        # fast the ranks are (waiting for first outputs let a fast rank finish all its tokens)
         os.kill(survivor, signal.SIGSTOP)
         os.kill(dp_engine.client.pids[1], signal.SIGKILL)
         start = time.monotonic()
 
-        errors = await asyncio.wait_for(asyncio.gather(*(drain_until_dead(g) for g in gens)), timeout=10)
+        async def drain(first, gen):
+            try:
+                await first
+            except EngineDeadError as e:
+                return e
+            return await drain_until_dead(gen)
+
+        errors = await asyncio.wait_for(asyncio.gather(*(drain(f, g) for f, g in zip(firsts, gens))), timeout=10)
         return errors, time.monotonic() - start
 
     survivor = dp_engine.client.pids[0]
