@@ -23,11 +23,17 @@ def available() -> bool:
     return load(LINEAR)
 
 
-def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
-    """Whether the kernel computes these operands (assumes the platform is CPU)."""
-    if jnp.dtype(x.dtype) != _F32 or x.ndim != 2 or w.ndim != 3:
+def supported_dtypes(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
+    """The operand types gemm.h computes (also the MoE kernel's rule): float32 x with float32
+    weights, or with 8-bit weights and their scales."""
+    if jnp.dtype(x.dtype) != _F32:
         return False
     return jnp.dtype(w.dtype) in _8BIT if scale is not None else jnp.dtype(w.dtype) == _F32
+
+
+def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
+    """Whether the kernel computes these operands (assumes the platform is CPU)."""
+    return x.ndim == 2 and w.ndim == 3 and supported_dtypes(x, w, scale)
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:

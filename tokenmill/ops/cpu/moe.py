@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokenmill.ops.cpu.build import MOE_EXPERTS, build_error, load
+from tokenmill.ops.cpu.linear import supported_dtypes
 
 # the activation codes of moe_experts.cc
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "swigluoai": 3}
@@ -28,17 +29,10 @@ def available() -> bool:
     return load(MOE_EXPERTS)
 
 
-_F32 = jnp.dtype(jnp.float32)
-_8BIT = {jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)}
-
-
 def usable_for(tokens: jax.Array, w1: jax.Array, w2: jax.Array, w1_scale: jax.Array | None) -> bool:
     """Whether the kernel computes these operands (assumes the platform is CPU): float32 tokens with
     float32 experts, or with 8-bit experts and their scales."""
-    weights = jnp.dtype(w1.dtype)
-    if jnp.dtype(tokens.dtype) != _F32 or jnp.dtype(w2.dtype) != weights:
-        return False
-    return weights in _8BIT if w1_scale is not None else weights == _F32
+    return jnp.dtype(w2.dtype) == jnp.dtype(w1.dtype) and supported_dtypes(tokens, w1, w1_scale)
 
 
 def moe_experts(
