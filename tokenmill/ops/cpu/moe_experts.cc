@@ -42,20 +42,67 @@ constexpr int64_t kChunkRows = 128;  // rows of one work item
 
 enum Activation : int32_t { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
 
-TM_INLINE float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+typedef int32_t vi __attribute__((vector_size(kVW * sizeof(int32_t))));
 
-TM_INLINE float gated(float g, float u, int32_t act, float alpha, float limit) {
-  switch (act) {
-    case kSilu:
-      return g * sigmoid(g) * u;
-    case kGelu:
-      return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f)) * u;
-    case kGeluTanh:
-      return 0.5f * g * (1.f + std::tanh(0.79788456080286536f * (g + 0.044715f * g * g * g))) * u;
-    default: {  // swigluoai (gpt-oss): clamped gate and up
-      g = std::min(g, limit);
-      u = std::min(std::max(u, -limit), limit);
-      return g * sigmoid(alpha * g) * (u + 1.f);
+// e^x for every lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 6
+// (relative error ~1e-7, a float32 ulp or two), times 2^n built in the exponent bits. Lanes are
+// clamped to [-87, 88], where 2^n stays a normal float: e^x saturates at ~1.6e38 and ~1.6e-38.
+TM_INLINE vf exp_lanes(vf x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  x = x > splat(88.f) ? splat(88.f) : x;
+  const vf round = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf n = (x * splat(1.44269504088896341f) + round) - round;
+  const vf r = (x - n * splat(0.693145751953125f)) - n * splat(1.42860682030941723e-6f);  // ln2, hi + lo
+  vf p = splat(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = p * r + splat(c);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+TM_INLINE vf sigmoid_lanes(vf x) { return splat(1.f) / (splat(1.f) + exp_lanes(-x)); }
+
+TM_INLINE vf min_lanes(vf a, vf b) { return a < b ? a : b; }
+TM_INLINE vf max_lanes(vf a, vf b) { return a > b ? a : b; }
+
+// act(gate, up) for kVW lanes; the exact (erf) GELU has no vector form here and goes lane by lane
+template <int32_t Act>
+TM_INLINE vf gated(vf g, vf u, float alpha, float limit) {
+  if constexpr (Act == kSilu) {
+    return g * sigmoid_lanes(g) * u;
+  } else if constexpr (Act == kGelu) {
+    float lanes[kVW];
+    std::memcpy(lanes, &g, sizeof(lanes));
+    for (float& v : lanes) v = 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+    return loadv(lanes) * u;
+  } else if constexpr (Act == kGeluTanh) {  // 0.5 (1 + tanh y) = sigmoid(2y)
+    return g * sigmoid_lanes(splat(2.f * 0.79788456080286536f) * (g + splat(0.044715f) * g * g * g)) * u;
+  } else {  // swigluoai (gpt-oss): clamped gate and up
+    g = min_lanes(g, splat(limit));
+    u = max_lanes(min_lanes(u, splat(limit)), splat(-limit));
+    return g * sigmoid_lanes(splat(alpha) * g) * (u + splat(1.f));
+  }
+}
+
+// gate[i, :] = act(gate[i, :] + bg, up[i, :] + bu) for n rows of F values; a row's last partial
+// vector is computed in a zero-padded copy
+template <int32_t Act>
+static void gate_rows(int64_t n, int64_t F, float* gate, const float* up, const float* bg, const float* bu, float alpha,
+                      float limit) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* g = gate + i * F;
+    const float* u = up + i * F;
+    int64_t f = 0;
+    for (; f + kVW <= F; f += kVW)
+      storev(g + f, gated<Act>(loadv(g + f) + loadv(bg + f), loadv(u + f) + loadv(bu + f), alpha, limit));
+    if (f < F) {
+      float gl[kVW] = {}, ul[kVW] = {}, bgl[kVW] = {}, bul[kVW] = {};
+      const size_t bytes = (F - f) * sizeof(float);
+      std::memcpy(gl, g + f, bytes), std::memcpy(ul, u + f, bytes);
+      std::memcpy(bgl, bg + f, bytes), std::memcpy(bul, bu + f, bytes);
+      storev(gl, gated<Act>(loadv(gl) + loadv(bgl), loadv(ul) + loadv(bul), alpha, limit));
+      std::memcpy(g + f, gl, bytes);
     }
   }
 }
@@ -105,11 +152,11 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s) {
   matmul(n, F, D, s.x.data(), up, s.up.data(), s.gemm, &down);
   const float* bg = pb.b1 + e * 2 * F;
   const float* bu = bg + F;
-  for (int64_t i = 0; i < n; ++i) {
-    float* g = s.gate.data() + i * F;
-    const float* u = s.up.data() + i * F;
-    for (int64_t f = 0; f < F; ++f) g[f] = gated(g[f] + bg[f], u[f] + bu[f], pb.act, pb.alpha, pb.limit);
-  }
+  const auto gate_rows_of = pb.act == kSilu       ? gate_rows<kSilu>
+                           : pb.act == kGelu     ? gate_rows<kGelu>
+                           : pb.act == kGeluTanh ? gate_rows<kGeluTanh>
+                                                 : gate_rows<kSwigluOai>;
+  gate_rows_of(n, F, s.gate.data(), s.up.data(), bg, bu, pb.alpha, pb.limit);
   matmul(n, D, F, s.gate.data(), down, s.y.data(), s.gemm);
   const float* b2 = pb.b2 + e * D;
   for (int64_t i = 0; i < n; ++i) {
