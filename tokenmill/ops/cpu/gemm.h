@@ -3,8 +3,8 @@
 // packed. Included by moe_experts.cc and linear.cc (one translation unit each; build.py hashes this
 // header into both libraries' names).
 //
-// GotoBLAS-style blocking: B is packed one L2-sized panel at a time (panel_depth rows x up to kNC
-// columns) into strips of kNR columns, A into kMR-row tiles; a register-blocked micro-kernel keeps kMR x kNR of C in registers while one
+// GotoBLAS-style blocking: B is packed kKC x kNC at a time (L2-sized) into strips of kNR columns, A
+// into kMR-row tiles; a register-blocked micro-kernel keeps kMR x kNR of C in registers while one
 // strip of B (L1-sized) meets every row tile. The next panel of B is prefetched into L2 while the
 // current one is multiplied, so streaming the weights from memory overlaps the arithmetic.
 // The vector code uses GCC vector extensions: AVX-512 or AVX2/FMA as the build enables, else portable.
@@ -38,20 +38,8 @@ typedef float vf __attribute__((vector_size(kVW * sizeof(float))));
 constexpr int kNV = 2;
 constexpr int kNR = kNV * kVW;
 constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
-// A panel of B spans up to kNC columns and as many rows as keep it near kPanelFloats (512 KiB, a
-// quarter of a 2 MiB L2). A panel of a matrix at most kNC wide is then one contiguous run of memory:
-// the hardware streams that at about twice the rate of the short row pieces of a square panel
-// (measured: 15 GB/s for 256 x 256 panels of a [2048, 768] matrix, 28 GB/s for contiguous reads).
-constexpr int64_t kNC = 2048;
-constexpr int64_t kPanelFloats = 128 * 1024;
-constexpr int64_t kMaxDepth = 256;
-constexpr int64_t kPanelBufferFloats = kPanelFloats + kMaxDepth * kNR;  // + padding to whole strips
-
-// rows of B per panel for a B of N columns (pack_a and gemm_packed must agree on it)
-TM_INLINE int64_t panel_depth(int64_t N) {
-  const int64_t width = std::min(std::max<int64_t>(N, 1), kNC);
-  return std::min<int64_t>(std::max<int64_t>(kPanelFloats / width / 8 * 8, 16), kMaxDepth);
-}
+constexpr int64_t kKC = 256;  // rows of B per packed panel
+constexpr int64_t kNC = 256;  // columns of B per packed panel (kKC x kNC floats: 256 KiB, L2-sized)
 
 TM_INLINE vf loadv(const float* p) {
   vf x;
@@ -113,26 +101,22 @@ struct Prefetch {
   int64_t row_lines = 0;  // cache lines per row
   int64_t rows_left = 0;
   int64_t line = 0;  // the next line within the row
-  int64_t per_step = 1;  // lines per step
 
   Prefetch() = default;
-  // rows [k0, k0 + rows) x columns [n0, n0 + cols) of B (its scales are few: left to the hardware),
-  // spread over `steps` calls of step()
-  Prefetch(const Weights& B, int64_t k0, int64_t n0, int64_t rows, int64_t cols, int64_t steps)
+  // rows [k0, k0 + rows) x columns [n0, n0 + cols) of B (its scales are few: left to the hardware)
+  Prefetch(const Weights& B, int64_t k0, int64_t n0, int64_t rows, int64_t cols)
       : row(B.data + (k0 * B.N + n0) * B.elem),
         stride(B.N * B.elem),
         row_lines((cols * B.elem + 63) / 64),
-        rows_left(rows),
-        per_step(std::max<int64_t>(1, (rows * row_lines + steps - 1) / std::max<int64_t>(steps, 1))) {}
+        rows_left(rows) {}
 
   inline __attribute__((always_inline)) void step() {
-    for (int64_t i = 0; i < per_step && rows_left > 0; ++i) {
-      __builtin_prefetch(row + line * 64, 0, 1);
-      if (++line == row_lines) {
-        line = 0;
-        row += stride;
-        --rows_left;
-      }
+    if (rows_left <= 0) return;
+    __builtin_prefetch(row + line * 64, 0, 2);
+    if (++line == row_lines) {
+      line = 0;
+      row += stride;
+      --rows_left;
     }
   }
 };
@@ -181,12 +165,12 @@ constexpr auto kMicroKernels = micro_table(std::make_integer_sequence<int, kMR>{
 
 TM_INLINE int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// A[M, K] (row-major) → for each block of `depth` columns k0 and each block of kMR rows, a kc x kMR
+// A[M, K] (row-major) → for each block of kKC columns k0 and each block of kMR rows, a kc x kMR
 // k-major tile at PA + k0 * round_up(M, kMR) + (m0 / kMR) * kc * kMR
-static void pack_a(int64_t M, int64_t K, int64_t depth, const float* A, float* PA) {
+static void pack_a(int64_t M, int64_t K, const float* A, float* PA) {
   const int64_t m_pad = round_up(M, kMR);
-  for (int64_t k0 = 0; k0 < K; k0 += depth) {
-    const int64_t kc = std::min(depth, K - k0);
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t kc = std::min(kKC, K - k0);
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       float* tile = PA + k0 * m_pad + (m0 / kMR) * kc * kMR;
       const int64_t m = std::min<int64_t>(kMR, M - m0);
@@ -221,9 +205,7 @@ static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t
     for (int64_t s = 0; s < strips; ++s) {
       float* dst = PB + (s * kc + k) * kNR;
       const int64_t first = s * kNR, n = std::min<int64_t>(kNR, nc - first);
-      if (scale == nullptr && n == kNR) {  // (a vector copy: memcpy with a run-time size is a call)
-        for (int v = 0; v < kNV; ++v) storev(dst + v * kVW, loadv(reinterpret_cast<const float*>(row) + first + v * kVW));
-      } else if (scale == nullptr) {
+      if (scale == nullptr) {
         std::memcpy(dst, row + first * 4, n * sizeof(float));
       } else if (B.is_int8 && n == kNR) {
         for (int v = 0; v < kNV; ++v)
@@ -243,7 +225,7 @@ static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t
 // Packing space for gemm: A for up to `rows` x `depth`, one B panel.
 struct GemmBuffers {
   std::vector<float> a, b;
-  GemmBuffers(int64_t rows, int64_t depth) : a(round_up(rows, kMR) * depth), b(kPanelBufferFloats) {}
+  GemmBuffers(int64_t rows, int64_t depth) : a(round_up(rows, kMR) * depth), b(kKC * round_up(kNC, kNR)) {}
 };
 
 // A few rows times B, read once straight from memory: at a batch of one to four rows, packing B
@@ -313,29 +295,27 @@ static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, fl
   }
 }
 
-// Rows of A per pass over a packed strip of B: a kMC x depth block of packed A stays in L2.
+// Rows of A per pass over a packed strip of B: a kMC x kKC block of packed A stays in L2.
 constexpr int64_t kMC = 8 * kMR;
 
-// C[:, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a with panel_depth(N) (C
-// row-major, N columns);
+// C[:, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N columns);
 // `panel` holds one packed panel of B. `next`, when given, is the B of the GEMM that follows: its
 // first panel is prefetched during the last panel of this one.
 static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
                         int64_t n_begin, int64_t n_end, const Weights* next = nullptr) {
-  const int64_t m_pad = round_up(M, kMR), depth = panel_depth(N);
+  const int64_t m_pad = round_up(M, kMR);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kNC) {
     const int64_t nc = std::min(kNC, n_end - n0);
-    for (int64_t k0 = 0; k0 < K; k0 += depth) {
-      const int64_t kc = std::min(depth, K - k0);
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      const int64_t kc = std::min(kKC, K - k0);
       pack_b(kc, nc, B, k0, n0, panel);
-      const int64_t steps = kc * ((nc + kNR - 1) / kNR) * ((M + kMR - 1) / kMR);  // micro-kernel k-steps
       Prefetch pf;
-      if (k0 + depth < K)
-        pf = Prefetch(B, k0 + depth, n0, std::min(depth, K - k0 - depth), nc, steps);
+      if (k0 + kKC < K)
+        pf = Prefetch(B, k0 + kKC, n0, std::min(kKC, K - k0 - kKC), nc);
       else if (n0 + kNC < n_end)
-        pf = Prefetch(B, 0, n0 + kNC, std::min(depth, K), std::min(kNC, n_end - n0 - kNC), steps);
-      else if (next != nullptr)  // (its rows past the end of `next`, if any, are harmless to prefetch)
-        pf = Prefetch(*next, 0, 0, panel_depth(next->N), std::min(kNC, next->N), steps);
+        pf = Prefetch(B, 0, n0 + kNC, std::min(kKC, K), std::min(kNC, n_end - n0 - kNC));
+      else if (next != nullptr)
+        pf = Prefetch(*next, 0, 0, kKC, std::min(kNC, next->N));
       for (int64_t mc = 0; mc < M; mc += kMC) {
         for (int64_t s = 0; s * kNR < nc; ++s) {
           const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
@@ -353,7 +333,7 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
 // C[M, N] = A[M, K] . B[K, N], all row-major (leading dimensions K, N, N).
 static void gemm(int64_t M, int64_t N, int64_t K, const float* A, const Weights& B, float* C, GemmBuffers& buf,
                  const Weights* next = nullptr) {
-  pack_a(M, K, panel_depth(N), A, buf.a.data());
+  pack_a(M, K, A, buf.a.data());
   gemm_packed(M, N, K, buf.a.data(), B, C, buf.b.data(), 0, N, next);
 }
 

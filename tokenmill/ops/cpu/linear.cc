@@ -74,13 +74,13 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::Success();
   }
   std::vector<float> packed_a(round_up(M, kMR) * K);
-  pack_a(M, K, panel_depth(N), x.typed_data(), packed_a.data());
+  pack_a(M, K, x.typed_data(), packed_a.data());
   const float* pa = packed_a.data();
   parallel_for<NoState>(
       pool, blocks, [] { return std::make_unique<NoState>(); },
       [&](int64_t i, NoState&) {
         // one packed panel per thread, kept across calls (a fresh 256 KiB buffer costs page faults)
-        thread_local std::vector<float> panel(kPanelBufferFloats);
+        thread_local std::vector<float> panel(kKC * round_up(kNC, kNR));
         gemm_packed(M, N, K, pa, weights, out, panel.data(), i * block, std::min(N, (i + 1) * block));
       });
   return ffi::Error::Success();
