@@ -26,6 +26,7 @@ from tokenmill.distributed.mesh import make_mesh
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.registry import get_model_module
 from tokenmill.ops.attention import AttentionMetadata
+from tokenmill.ops.cpu.lazy_zeros import zeros as lazy_zeros
 from tokenmill.ops.sampler import SamplerOutput, compute_prompt_logprobs, sample
 from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
 from tokenmill.worker.input_batch import InputBatch
@@ -120,8 +121,8 @@ class ModelRunner:
         )
         cache_shape = (self.cfg.num_layers, num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
-        self.k_cache = jax.device_put(jnp.zeros(cache_shape, self.dtype), cache_sharding)
-        self.v_cache = jax.device_put(jnp.zeros(cache_shape, self.dtype), cache_sharding)
+        self.k_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)
+        self.v_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)
 
         cfg, module = self.cfg, self.module
 

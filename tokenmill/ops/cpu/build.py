@@ -49,6 +49,7 @@ class Kernel:
 PAGED_ATTENTION = Kernel("tokenmill_paged_attention", "TokenmillPagedAttention", "paged_attention.cc")
 MOE_EXPERTS = Kernel("tokenmill_moe_experts", "TokenmillMoeExperts", "moe_experts.cc")
 LINEAR = Kernel("tokenmill_linear", "TokenmillLinear", "linear.cc")
+LAZY_ZEROS = Kernel("tokenmill_lazy_zeros", "TokenmillLazyZeros", "lazy_zeros.cc")
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
