@@ -20,7 +20,7 @@ def enable_compilation_cache() -> None:
         return
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _enabled = True
     logger.info("persistent compilation cache: %s", path)
