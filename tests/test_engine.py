@@ -104,12 +104,16 @@ def test_nothing_compiles_after_warm_up(tiny_model, monkeypatch):
     monkeypatch.setenv("TOKENMILL_CHECK_RECOMPILATION", "1")
     engine = LLM(tiny_model, **{**ENGINE, "max_num_batched_tokens": 32})
     runner = engine.engine.runner
+    # the buckets compile on a thread while the engine serves: a request right away is answered
+    first = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+    engine.engine.wait_precompiled()
     compiled = dict(runner._executables)
     assert len(compiled) == len(runner.token_buckets) * len(runner.block_buckets)
     mixed = [GREEDY, SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True)]
     for batch in ([PROMPTS[0]], PROMPTS, PROMPTS[:3] * 3):  # varied token counts, rows and contexts
         engine.generate(batch, [mixed[i % 2] for i in range(len(batch))], use_tqdm=False)
     assert runner._executables == compiled
+    assert engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first.outputs[0].token_ids
     with pytest.raises(RuntimeError, match="recompilation after warm-up"):
         runner._executable(runner.token_buckets[0], runner.block_buckets[-1] + 1)
 

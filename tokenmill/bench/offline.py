@@ -110,12 +110,17 @@ def run(args) -> dict:
     start = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup = time.perf_counter() - start
+    llm.generate([[1]], _greedy(1), use_tqdm=False)  # the first token: the buckets may still be compiling
+    first_token = time.perf_counter() - start
+    llm.engine.wait_precompiled()  # nothing compiles while the workload is timed
+    precompiled = time.perf_counter() - start
     if args.bench == "throughput":
         result = throughput(llm, args.num_prompts, args.input_len, args.output_len, args.reps)
     else:
         result = latency(llm, args.input_len, args.output_len, args.reps)
     result.update(
-        engine="tokenmill", model=llm.engine.model.source, startup_s=startup,
+        engine="tokenmill", model=llm.engine.model.source, startup_s=startup, first_token_s=first_token,
+        precompiled_s=precompiled,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
     return _report(result, args.output_json)

@@ -104,7 +104,7 @@ class EngineCore:
         )
         if not on_ray:  # the Ray workers have built and compiled theirs
             self.runner = ModelRunner(self.model, sched, config.cache, num_blocks, config.dtype, mesh=mesh)
-            self.runner.precompile()
+            self.runner.precompile(background=True)  # the engine serves while the other shapes compile
         self.scheduler = Scheduler(sched, config.cache, num_blocks, enable_prefix_caching=enable_prefix_caching)
         self._rng = random.Random(config.seed)
         self.num_blocks = num_blocks
@@ -115,10 +115,17 @@ class EngineCore:
         self.num_forward_steps = 0  # steps that ran the model on scheduled tokens
 
     def shutdown(self) -> None:
-        """Release what the engine holds outside this process (the Ray workers and their devices);
-        safe to call more than once."""
+        """Release what the engine holds outside this process (the Ray workers and their devices),
+        stop precompiling; safe to call more than once."""
         if self._release_workers is not None:
             self._release_workers()
+        else:
+            self.runner.shutdown()
+
+    def wait_precompiled(self) -> None:
+        """Block until every shape bucket is compiled (the Ray workers compile theirs before serving)."""
+        if self._release_workers is None:
+            self.runner.wait_precompiled()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -123,6 +124,14 @@ class ModelRunner:
         cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
         self.k_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)
         self.v_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)
+        # what compiling a step needs of the params and caches: the caches are donated to every
+        # step, so a compile on the precompiling thread must not touch the arrays themselves
+        cache_spec = jax.ShapeDtypeStruct(cache_shape, self.dtype, sharding=cache_sharding)
+        self._step_operand_specs = (
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params),
+            cache_spec,
+            cache_spec,
+        )
 
         cfg, module = self.cfg, self.module
 
@@ -151,6 +160,10 @@ class ModelRunner:
         self._last_launched: StepInFlight | None = None
         self._prompt_logprobs = jax.jit(prompt_logprobs, static_argnames=("num_logprobs",))
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+        # one compile at a time: a step may need the shape the precompiling thread is on
+        self._compile_lock = threading.Lock()
+        self._precompiler: threading.Thread | None = None
+        self._stop_precompiling = threading.Event()
         self._warmed_up = False
         self._sampler_compiled = 0
 
@@ -160,42 +173,70 @@ class ModelRunner:
         """The compiled step for one (token bucket, block-table width) shape, compiled ahead of time
         (lowered and compiled without running, so warm-up costs compile time only)."""
         exe = self._executables.get((num_tokens, width))
-        if exe is None:
-            if self._warmed_up and envs.TOKENMILL_CHECK_RECOMPILATION:
-                raise RuntimeError(
-                    f"recompilation after warm-up: step shape (tokens={num_tokens}, blocks={width}) "
-                    "escaped the precompiled buckets"
-                )
-            inputs = self._dummy_inputs(num_tokens, self._rows_for(num_tokens), width)
-            exe = self._step.lower(self.params, self.k_cache, self.v_cache, *inputs).compile()
-            self._executables[(num_tokens, width)] = exe
+        if exe is not None:
+            return exe
+        with self._compile_lock:
+            exe = self._executables.get((num_tokens, width))
+            if exe is None:
+                if self._warmed_up and envs.TOKENMILL_CHECK_RECOMPILATION:
+                    raise RuntimeError(
+                        f"recompilation after warm-up: step shape (tokens={num_tokens}, blocks={width}) "
+                        "escaped the precompiled buckets"
+                    )
+                inputs = self._dummy_inputs(num_tokens, self._rows_for(num_tokens), width)
+                exe = self._step.lower(*self._step_operand_specs, *inputs).compile()
+                self._executables[(num_tokens, width)] = exe
         return exe
 
     def _sampler_cache_size(self) -> int:
         return self._sample._cache_size() + self._prompt_logprobs._cache_size()
 
-    @_under_mesh
-    def precompile(self) -> None:
-        """Compile every bucket now, so that serving never stops to compile."""
+    def precompile(self, background: bool = False) -> None:
+        """Compile every bucket, so that serving never stops to compile: now, or on a thread while
+        the engine already serves (`background`; a step whose shape is not compiled yet compiles
+        it first, and the first token does not wait for the other shapes)."""
         if envs.TOKENMILL_SKIP_PRECOMPILE:
             logger.info("skipping precompilation (TOKENMILL_SKIP_PRECOMPILE=1)")
+            self._finish_warm_up()
+        elif background:
+            self._precompiler = threading.Thread(target=self._precompile_all, name="tokenmill-precompile", daemon=True)
+            self._precompiler.start()
         else:
-            start = time.perf_counter()
-            for num_tokens in self.token_buckets:
-                rows = self._rows_for(num_tokens)
-                for width in self.block_buckets:
-                    exe = self._executable(num_tokens, width)
-                # the sampler's cache is keyed by its inputs' shardings too: match the step's output
-                logits = jax.device_put(jnp.zeros((rows, self.cfg.vocab_size), jnp.float32), exe.output_shardings[0])
-                md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
-                for mode in PRECOMPILED_SAMPLER_MODES:
-                    self._sample(logits, md, mode=mode, num_logprobs=None)
-            logger.info(
-                "compiled %d token buckets x %d context buckets in %.1f s",
-                len(self.token_buckets), len(self.block_buckets), time.perf_counter() - start,
-            )
-        self._warmed_up = True
+            self._precompile_all()
+
+    def wait_precompiled(self) -> None:
+        """Block until precompilation (if it runs in the background) is over."""
+        if self._precompiler is not None:
+            self._precompiler.join()
+
+    def shutdown(self) -> None:
+        """Stop precompiling in the background (after the shape in progress); safe to call more than once."""
+        self._stop_precompiling.set()
+
+    @_under_mesh
+    def _precompile_all(self) -> None:
+        start = time.perf_counter()
+        # the smallest shapes first: those are what the first requests (and every decode) need
+        for num_tokens in self.token_buckets:
+            rows = self._rows_for(num_tokens)
+            for width in self.block_buckets:
+                if self._stop_precompiling.is_set():
+                    return
+                exe = self._executable(num_tokens, width)
+            # the sampler's cache is keyed by its inputs' shardings too: match the step's output
+            logits = jax.device_put(jnp.zeros((rows, self.cfg.vocab_size), jnp.float32), exe.output_shardings[0])
+            md, _, _ = build_sampling_metadata([], [], [], [], [], rows, self.cfg.vocab_size)
+            for mode in PRECOMPILED_SAMPLER_MODES:
+                self._sample(logits, md, mode=mode, num_logprobs=None)
+        logger.info(
+            "compiled %d token buckets x %d context buckets in %.1f s",
+            len(self.token_buckets), len(self.block_buckets), time.perf_counter() - start,
+        )
+        self._finish_warm_up()
+
+    def _finish_warm_up(self) -> None:
         self._sampler_compiled = self._sampler_cache_size()
+        self._warmed_up = True
 
     def _check_no_recompilation(self) -> None:
         if self._warmed_up and envs.TOKENMILL_CHECK_RECOMPILATION:
