@@ -18,6 +18,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(PY) -m tokenmill.ops.cpu  # the C++ kernels, if not built yet: the server's start-up does not wait for g++
 	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)

@@ -190,3 +190,24 @@ def load(kernel: Kernel = PAGED_ATTENTION) -> bool:
 
 def build_error(kernel: Kernel = PAGED_ATTENTION) -> str | None:
     return _errors.get(kernel.target)
+
+
+KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS)
+
+
+def _build_one(kernel: Kernel) -> str:
+    try:
+        return str(build(kernel))
+    except Exception as e:  # noqa: BLE001 - reported; the engine falls back to the jnp reference
+        return f"unavailable ({type(e).__name__}: {e})"
+
+
+def build_all() -> None:
+    """Build every kernel that is not cached yet, side by side (`python -m tokenmill.ops.cpu`). `make
+    run` does this before serving, so that a first start does not wait for the compiler (~7 s of g++
+    on two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(KERNELS)) as pool:
+        for kernel, where in zip(KERNELS, pool.map(_build_one, KERNELS)):
+            print(f"{kernel.source}: {where}")
