@@ -50,10 +50,11 @@ def determine_num_blocks(config: EngineConfig, model: LoadedModel) -> int:
     return int(num_blocks)
 
 
-def prepare_model(config: EngineConfig, model: LoadedModel | None) -> LoadedModel:
-    """The model to run: `model`, else the checkpoint at config.model; experts quantized if asked.
-    Runs where the weights are placed: in the engine, or in each host's worker (worker/worker.py)."""
-    model = model if model is not None else load_model(config.model)
+def prepare_model(config: EngineConfig, model: LoadedModel | None, tokenizer: bool = True) -> LoadedModel:
+    """The model to run: `model`, else the checkpoint at config.model (with its tokenizer if asked);
+    experts quantized if asked. Runs where the weights are placed: in the engine, or in each host's
+    worker (worker/worker.py)."""
+    model = model if model is not None else load_model(config.model, tokenizer=tokenizer)
     if config.expert_quantization and not model.config.expert_quantization:
         model = quantize_experts(model, config.expert_quantization, config.expert_quantization_window)
         logger.info("experts quantized at load time to %s, one scale per %d rows",
@@ -67,7 +68,10 @@ def prepare_model(config: EngineConfig, model: LoadedModel | None) -> LoadedMode
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, enable_prefix_caching: bool = True):
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, enable_prefix_caching: bool = True,
+                 tokenizer: bool = True):
+        """`tokenizer`: whether the model loaded here (model=None) needs its tokenizer; an engine core
+        process behind AsyncLLM does not (its front end tokenizes and detokenizes)."""
         enable_compilation_cache()
         self.config = config
         self._release_workers = None
@@ -87,7 +91,7 @@ class EngineCore:
             self._release_workers = weakref.finalize(self, self.runner.shutdown)
             self.model, num_blocks = self.runner.model, self.runner.num_blocks
         else:
-            self.model = prepare_model(config, model)
+            self.model = prepare_model(config, model, tokenizer)
             num_blocks = determine_num_blocks(config, self.model)
         cfg = self.model.config
         sched = config.scheduler

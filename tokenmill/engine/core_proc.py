@@ -88,7 +88,7 @@ class EngineCoreProc:
         try:
             from tokenmill.engine.core import EngineCore
 
-            self.engine = EngineCore(init.engine_config, enable_prefix_caching=init.enable_prefix_caching)
+            self.engine = EngineCore(init.engine_config, enable_prefix_caching=init.enable_prefix_caching, tokenizer=False)
         except Exception as e:  # noqa: BLE001 - any start-up failure goes back as one message
             if not isinstance(e, (ValueError, OSError)):  # expected failures carry a clear message
                 logger.exception("engine core failed to start")
