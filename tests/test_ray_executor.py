@@ -150,7 +150,9 @@ def test_data_parallel_engine_cores_as_ray_actors(cluster, llama):
 
         async def kill_rank_1():
             long = [asyncio.ensure_future(tokens(p, f"long{i}", max_tokens=100)) for i, p in enumerate(PROMPTS * 2)]
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0)  # each coroutine sends its request, then waits for output
+            assert 1 in {client.rank_of(f"long{i}") for i in range(len(long))}
+            # killed at once: a fast machine finished all 100 tokens within the second this test used to wait
             ray.kill(client.procs[1].actor)
             return await asyncio.gather(*long, return_exceptions=True)
 
