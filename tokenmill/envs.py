@@ -31,7 +31,7 @@ def _bool(raw: str) -> bool:
 _DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
 
 VARIABLES: dict[str, _Var] = {
-    "TOKENMILL_SKIP_PRECOMPILE": _Var(_bool, False, "skip compiling every shape bucket at start-up"),
+    "TOKENMILL_SKIP_PRECOMPILE": _Var(_bool, False, "skip compiling every shape bucket in the background"),
     "TOKENMILL_CHECK_RECOMPILATION": _Var(_bool, False, "raise if anything compiles after warm-up"),
     "TOKENMILL_COMPILATION_CACHE_DIR": _Var(
         str, os.path.join(_DEFAULT_CACHE, "xla"), "JAX persistent compilation cache directory ('' disables it)"
