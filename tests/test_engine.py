@@ -107,6 +107,7 @@ def test_nothing_compiles_after_warm_up(tiny_model, monkeypatch):
     # the buckets compile on a thread while the engine serves: a request right away is answered
     first = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
     engine.engine.wait_precompiled()
+    assert not engine.engine.precompiling()
     compiled = dict(runner._executables)
     assert len(compiled) == len(runner.token_buckets) * len(runner.block_buckets)
     mixed = [GREEDY, SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True)]

@@ -131,6 +131,10 @@ class EngineCore:
         if self._release_workers is None:
             self.runner.wait_precompiled()
 
+    def precompiling(self) -> bool:
+        """Whether shape buckets are still compiling in the background."""
+        return self._release_workers is None and self.runner.precompiling()
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)

@@ -47,7 +47,7 @@ _STOP = object()
 
 class EngineCoreProc:
     # Utility methods the front end may call by name.
-    utility_methods = ("get_stats", "reset_prefix_cache", "num_unfinished_requests")
+    utility_methods = ("get_stats", "reset_prefix_cache", "num_unfinished_requests", "precompiling")
 
     def __init__(self, input_address: str, parent_pid: int | None, rank: int = 0):
         """`parent_pid`: the front end's pid, watched so that the core exits when it dies; None where
@@ -269,6 +269,9 @@ class EngineCoreProc:
 
     def _utility_num_unfinished_requests(self) -> int:
         return self.engine.scheduler.get_num_unfinished_requests()
+
+    def _utility_precompiling(self) -> bool:
+        return self.engine.precompiling()
 
     # ---- shutdown ---------------------------------------------------------------------------------
 

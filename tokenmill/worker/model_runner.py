@@ -209,6 +209,9 @@ class ModelRunner:
         if self._precompiler is not None:
             self._precompiler.join()
 
+    def precompiling(self) -> bool:
+        return self._precompiler is not None and self._precompiler.is_alive()
+
     def shutdown(self) -> None:
         """Stop precompiling in the background (after the shape in progress); safe to call more than once."""
         self._stop_precompiling.set()
