@@ -127,13 +127,12 @@ class EngineCore:
             self.runner.shutdown()
 
     def wait_precompiled(self) -> None:
-        """Block until every shape bucket is compiled (the Ray workers compile theirs before serving)."""
-        if self._release_workers is None:
-            self.runner.wait_precompiled()
+        """Block until every shape bucket is compiled."""
+        self.runner.wait_precompiled()
 
     def precompiling(self) -> bool:
         """Whether shape buckets are still compiling in the background."""
-        return self._release_workers is None and self.runner.precompiling()
+        return self.runner.precompiling()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError if it can never fit."""

@@ -182,6 +182,12 @@ class RayExecutor:
         self._gather(launched, "launch_step", self.step_timeout)
         return self._gather(finished, "finish_step", self.step_timeout)[0]
 
+    def wait_precompiled(self) -> None:
+        """Nothing to wait for: the workers compiled every bucket before the executor was ready."""
+
+    def precompiling(self) -> bool:
+        return False
+
     def shutdown(self) -> None:
         """Stop the workers and free their devices; safe to call more than once."""
         for worker in self.workers:
