@@ -2,7 +2,8 @@
 
 Row counts on both sides of the GEMV / packed-GEMM switch (4 rows) and past a row block, column
 counts that are not multiples of a pass (64 / 32 columns), reductions longer than a packed panel,
-negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights.
+negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights, and
+bfloat16 products (`bf16`, --quantization w8a16) on AMX tiles and on the float32 path.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ def stack(seed: int, L: int, K: int, N: int, dtype, wsz: int | None):
     return jax.jit(quantize_windows, static_argnums=(1, 2, 3))(w, dtype, wsz, 1)
 
 
-def both(monkeypatch, x, w, layer, scale, wsz):
+def both(monkeypatch, x, w, layer, scale, wsz, bf16=False):
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
-    kernel = np.asarray(jax.jit(lambda x, w, s: linear(x, w, layer, s, wsz))(x, w, scale))
-    ref = np.asarray(jax.jit(lambda x, w, s: linear_ref(x, w, layer, s, wsz))(x, w, scale))
+    kernel = np.asarray(jax.jit(lambda x, w, s: linear(x, w, layer, s, wsz, bf16))(x, w, scale))
+    ref = np.asarray(jax.jit(lambda x, w, s: linear_ref(x, w, layer, s, wsz, bf16))(x, w, scale))
     return kernel, ref
+
+
+def cpu_has_amx() -> bool:
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= build._cpu_flags()
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
@@ -49,16 +54,19 @@ def test_kernel_matches_reference(monkeypatch, M, dtype):
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
-def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype):
-    """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output: a row's result
-    is bit for bit the same alone or among 150 rows (what keeps greedy output batch-invariant)."""
+@pytest.mark.parametrize("dtype,bf16,amx", [(jnp.float32, False, "0"), (jnp.int8, False, "0"), (jnp.int8, True, "0"),
+                                            (jnp.int8, True, "1")])
+def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
+    """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output, and AMX the
+    same tile sequence for every row: a row's result is bit for bit the same alone or among 150
+    rows (what keeps greedy output batch-invariant)."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
     w, scale = stack(9, 2, 300, 200, dtype, 20)
     wsz = 20 if scale is not None else None
     x = jnp.asarray(np.random.default_rng(10).standard_normal((150, 300)), jnp.float32)
-    call = jax.jit(lambda x: linear(x, w, 1, scale, wsz))
+    call = jax.jit(lambda x: linear(x, w, 1, scale, wsz, bf16))
     full = np.asarray(call(x))
     for rows in (1, 3, 4, 5, 13):
         np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
@@ -80,6 +88,41 @@ def test_int8_is_close_to_float32():
     x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 256)), jnp.float32)
     exact, approx = np.asarray(linear_ref(x, w, 0)), np.asarray(linear_ref(x, q, 0, scale, 64))
     assert np.linalg.norm(approx - exact) <= 0.02 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("M,K,N,wsz", [(1, 300, 200, 20), (5, 64, 16, 16), (17, 300, 37, 60), (150, 576, 200, 64)])
+def test_bf16_products_match_reference(monkeypatch, amx, M, K, N, wsz):
+    """x and the dequantized weights rounded to bfloat16, products summed in float32: on AMX tiles
+    (where the CPU has them; K padded to 32, partial row and column tiles) and on the float32 path."""
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+    w, scale = stack(M + K, 3, K, N, jnp.int8, wsz)
+    x = jnp.asarray(np.random.default_rng(200 + M).standard_normal((M, K)), jnp.float32)
+    kernel, ref = both(monkeypatch, x, w, 2, scale, wsz, bf16=True)
+    assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
+    # and the rounding happened: float32 products land elsewhere
+    assert np.max(np.abs(kernel - both(monkeypatch, x, w, 2, scale, wsz)[1])) > F32_REL * np.max(np.abs(ref))
+
+
+def test_amx_runs_where_the_cpu_has_it(monkeypatch):
+    """TOKENMILL_CPU_AMX=1 takes the tiles on a CPU with AMX-BF16 (their sums run in another order
+    than the float32 path's, so some output differs in its last bits), and changes nothing elsewhere."""
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    w, scale = stack(11, 1, 576, 256, jnp.int8, 64)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((64, 576)), jnp.float32)
+    outputs = {}
+    for amx in ("1", "0"):
+        monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+        outputs[amx] = np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, 64, bf16=True))(x))
+    assert ("-mamx-bf16" in build.isa_flags()) == cpu_has_amx()
+    assert (not np.array_equal(outputs["1"], outputs["0"])) == cpu_has_amx()
+
+
+def test_bf16_products_need_8bit_weights():
+    with pytest.raises(ValueError, match="bf16=True multiplies 8-bit weights"):
+        linear(jnp.zeros((1, 8), jnp.float32), jnp.zeros((1, 8, 8), jnp.float32), 0, bf16=True)
 
 
 def test_forcing_the_kernel_on_unsupported_weights_is_refused(monkeypatch):

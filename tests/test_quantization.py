@@ -38,8 +38,8 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2):
-    return LLM(smollm2, **ENGINE), LLM(smollm2, quantization="int8", **ENGINE)
+def fp32(smollm2):
+    return LLM(smollm2, **ENGINE)
 
 
 def perplexity(llm: LLM) -> float:
@@ -49,9 +49,12 @@ def perplexity(llm: LLM) -> float:
     return math.exp(-np.mean(logprobs))
 
 
-def test_int8_keeps_greedy_output_and_perplexity(engines):
-    fp32, int8 = engines
-    assert int8.engine.model.config.quantization == "int8"
+@pytest.mark.parametrize("kind", ["int8", "w8a16"])
+def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
+    """int8: float32 products; w8a16: the same weights, products of bfloat16-rounded inputs and
+    weights (on AMX tiles where the CPU has them)."""
+    int8 = LLM(smollm2, quantization=kind, **ENGINE)
+    assert int8.engine.model.config.quantization == kind
     assert str(int8.engine.model.params["layers"]["wq"].dtype) == "int8"
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
     diverged = []
@@ -82,7 +85,7 @@ def test_float8_on_a_tiny_model(tmp_path, kind):
 
 
 def test_bad_options_name_the_field(smollm2, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization must be one of int8, fp8_e4m3, fp8_e5m2, got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of int8, fp8_e4m3, fp8_e5m2, w8a16, got 'int4'"):
         LLM(smollm2, quantization="int4", **ENGINE)
     path = str(tmp_path / "gemma3")
     make_tiny_checkpoint("Gemma3ForCausalLM", path)

@@ -64,7 +64,8 @@ class ModelConfig:
     expert_quantization: str | None = None
     expert_quant_window: int = 0
     # set when the dense projections and the LM head were quantized at load time (`--quantization`):
-    # "int8", "fp8_e4m3" or "fp8_e5m2", one scale per `quant_window` rows of each reduction axis
+    # "int8", "fp8_e4m3", "fp8_e5m2" or "w8a16", one scale per `quant_window` rows of each reduction
+    # axis
     quantization: str | None = None
     quant_window: int = 0
 
@@ -235,7 +236,8 @@ class EngineConfig:
     # quantize the experts of an MoE model at load time: "int8" | "fp8_e4m3" | "fp8_e5m2"
     expert_quantization: str | None = None
     expert_quantization_window: int = 256  # rows of the reduction axis per scale
-    # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2"
+    # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2",
+    # or "w8a16" (int8 weights, bfloat16 products)
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -50,6 +50,12 @@ VARIABLES: dict[str, _Var] = {
         "jnp), jnp (dequantize, then XLA's dot), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "jnp", "cpu_kernel"),
     ),
+    "TOKENMILL_CPU_AMX": _Var(
+        _bool,
+        True,
+        "--quantization w8a16 on CPU: multiply on AMX tiles where the CPU has them (off: the float32 FMA path, "
+        "rounding to bfloat16 the same way)",
+    ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,
         "auto",

@@ -69,7 +69,7 @@ def projections(cfg: ModelConfig, stacked: dict, layer):
     def project(name: str, x: jax.Array) -> jax.Array:
         weights, scale = stacked[name], stacked.get(name + "_scale")
         wsz = (cfg.quant_window or weights.shape[1]) if scale is not None else None
-        return linear(x, weights, layer, scale, wsz).astype(x.dtype)
+        return linear(x, weights, layer, scale, wsz, bf16=cfg.quantization == "w8a16").astype(x.dtype)
 
     return project
 
@@ -167,6 +167,7 @@ def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Arr
     """hidden [N, D] → float32 logits [N, V]."""
     if cfg.quantization:
         head = params["lm_head_q"]
-        return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or head.shape[1])
+        return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or head.shape[1],
+                      bf16=cfg.quantization == "w8a16")
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)

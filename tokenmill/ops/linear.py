@@ -5,6 +5,10 @@ the index, traced inside the scan; 8-bit weights carry one scale per window of `
 column (`ops.quantization`). On CPU the C++ kernel (ops/cpu/linear.cc) computes it, reading the
 layer in place and dequantizing as it goes (TOKENMILL_LINEAR_BACKEND); `linear_ref`, the jnp
 reference, slices the layer, dequantizes it whole and lets XLA multiply.
+
+`bf16=True` (`--quantization w8a16`) multiplies in bfloat16: x and each dequantized weight are
+rounded to bfloat16, their products (exact in float32) summed in float32. The kernel runs that on
+AMX tiles where the CPU has them (ops/cpu/amx_bf16.h), else on the float32 path, rounding as it goes.
 """
 
 from __future__ import annotations
@@ -17,12 +21,21 @@ from tokenmill.ops.cpu import linear as cpu_linear
 from tokenmill.ops.quantization import dequantize
 
 
-def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
+def to_bf16_values(x: jax.Array) -> jax.Array:
+    """x rounded to the nearest bfloat16 (ties to even), kept in float32."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
+               bf16: bool = False) -> jax.Array:
     """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N])."""
     if scale is None:
         return x @ w[layer]
     weights = dequantize(w[layer], scale[layer], wsz, 0, jnp.float32)
-    return jnp.dot(x.astype(jnp.float32), weights, preferred_element_type=jnp.float32)
+    x = x.astype(jnp.float32)
+    if bf16:  # bfloat16 products are exact in float32: a float32 dot of the rounded values is theirs
+        x, weights = to_bf16_values(x), to_bf16_values(weights)
+    return jnp.dot(x, weights, preferred_element_type=jnp.float32)
 
 
 def _use_cpu_kernel(x, w, scale) -> bool:
@@ -43,9 +56,12 @@ def _use_cpu_kernel(x, w, scale) -> bool:
     return jax.default_backend() == "cpu" and usable and unsharded and cpu_linear.available()
 
 
-def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
+           bf16: bool = False) -> jax.Array:
     """x [M, K], w [L, K, N] (scale [L, K / wsz, N] for 8-bit w) → [M, N] = x . w[layer] (float32 on
-    the kernel and for 8-bit w, else x's dtype)."""
+    the kernel and for 8-bit w, else x's dtype); `bf16`: multiplied in bfloat16 (8-bit w only)."""
+    if bf16 and scale is None:
+        raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
     if _use_cpu_kernel(x, w, scale):
-        return cpu_linear.linear(x, w, layer, scale, wsz)
-    return linear_ref(x, w, layer, scale, wsz)
+        return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16)
+    return linear_ref(x, w, layer, scale, wsz, bf16)

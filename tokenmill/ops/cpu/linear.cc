@@ -13,6 +13,11 @@
 // claim (parallel.h). Up to kGemvRows rows (decoding) each block streams its weights straight
 // through gemv; more rows pack A once and run gemm.h's blocked GEMM over each block. The layer index
 // follows jnp indexing: negative wraps once, then it is clamped into range.
+//
+// `bf16` (--quantization w8a16): x and each dequantized weight are rounded to bfloat16 (ties to
+// even); the products are summed in float32. 1: on the float32 path (gemm.h, Weights::bf16);
+// 2: on AMX tiles (amx_bf16.h) when this build and the OS allow them, for every M (one arithmetic
+// whatever the batch), else as 1.
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +28,7 @@
 #include "parallel.h"
 #include "weights_ffi.h"
 #include "gemm.h"
+#include "amx_bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,7 +41,8 @@ int64_t wrap_clamp(int64_t i, int64_t n) {
 }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz) {
+                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz,
+                      int64_t bf16) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1])
@@ -47,7 +54,8 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   if (const char* problem = weights_of(w, scale, wsz, K, N, all); *problem)
     return ffi::Error::InvalidArgument(std::string("linear: ") + problem);
   const int64_t l = wrap_clamp(layer.typed_data()[0], L);
-  const Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
+  Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
+  weights.bf16 = bf16 != 0;
   float* out = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
@@ -62,8 +70,37 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const int64_t block = round_up(std::max<int64_t>(unit, (N + 4 * threads - 1) / (4 * threads)), unit);
   const int64_t blocks = (N + block - 1) / block;
   struct NoState {};
+#if defined(TOKENMILL_AMX)
+  if (bf16 == 2 && amx_ready()) {
+    const int64_t m_pad = round_up(M, kTileRows), k_pad = round_up(K, kTileK);
+    std::vector<uint16_t> packed_a(m_pad * k_pad);
+    pack_a_bf16(M, K, x.typed_data(), packed_a.data(), m_pad, k_pad);
+    // blocks of whole tile pairs, at most 256 columns: a block's strips stay in L2 while A streams by
+    const int64_t columns = std::min<int64_t>(256, round_up((N + 4 * threads - 1) / (4 * threads), 2 * kTileCols));
+    const int64_t count = (N + columns - 1) / columns;
+    auto run = [&](int64_t i, NoState&) {
+      thread_local std::vector<uint16_t> strips;  // kept across calls, like gemm's panel
+      strips.resize(columns * k_pad);
+      amx_gemm_columns(M, N, K, packed_a.data(), m_pad, k_pad, weights, out, strips.data(), i * columns,
+                       std::min(N, (i + 1) * columns));
+    };
+    if (alone) {
+      NoState none;
+      for (int64_t i = 0; i < count; ++i) run(i, none);
+    } else {
+      parallel_for<NoState>(pool, count, [] { return std::make_unique<NoState>(); }, run);
+    }
+    return ffi::Error::Success();
+  }
+#endif
+  const float* xp = x.typed_data();
+  std::vector<float> rounded;
+  if (bf16) {  // the float32 path multiplies x's bfloat16 values
+    rounded.assign(xp, xp + M * K);
+    for (float& v : rounded) v = round_bf16(v);
+    xp = rounded.data();
+  }
   if (M <= kGemvRows) {
-    const float* xp = x.typed_data();
     if (alone) {
       gemv_rows(M, K, xp, weights, out, 0, N);
       return ffi::Error::Success();
@@ -74,7 +111,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::Success();
   }
   std::vector<float> packed_a(round_up(M, kMR) * K);
-  pack_a(M, K, x.typed_data(), packed_a.data());
+  pack_a(M, K, xp, packed_a.data());
   const float* pa = packed_a.data();
   parallel_for<NoState>(
       pool, blocks, [] { return std::make_unique<NoState>(); },
@@ -96,4 +133,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K / wsz, N] ([0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int64_t>("wsz"));  // rows per scale window (0: float32 weights)
+                                  .Attr<int64_t>("wsz")  // rows per scale window (0: float32 weights)
+                                  .Attr<int64_t>("bf16"));  // 0: float32; 1, 2: bfloat16 products (2: AMX)

@@ -3,7 +3,9 @@
 `w` is the [L, K, N] stack of every layer's weights and `layer` a traced index: inside the model's
 scan, handing the kernel one layer's slice would make XLA copy it out of the stack on every step.
 Float32 weights, or 8-bit ones (int8, float8 e4m3fn / e5m2) with one scale per window of `wsz` rows
-and column, dequantized inside the kernel as they are packed.
+and column, dequantized inside the kernel as they are packed. `bf16`: x and each dequantized weight are
+rounded to bfloat16, their products summed in float32 (on AMX tiles where the
+CPU has them and TOKENMILL_CPU_AMX allows).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tokenmill import envs
 from tokenmill.ops.cpu.build import LINEAR, build_error, load
 
 _F32 = jnp.dtype(jnp.float32)
@@ -36,12 +39,15 @@ def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
     return x.ndim == 2 and w.ndim == 3 and supported_dtypes(x, w, scale)
 
 
-def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None) -> jax.Array:
-    """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]) → f32[M, N]."""
+def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
+           bf16: bool = False) -> jax.Array:
+    """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]) → f32[M, N]; `bf16`:
+    x and the weights rounded to bfloat16 (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
     return jax.ffi.ffi_call(LINEAR.target, out)(
-        x, w, scale, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0)
+        x, w, scale, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),
+        bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_AMX else int(bf16)),
     )
