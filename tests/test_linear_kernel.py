@@ -91,7 +91,8 @@ def test_int8_is_close_to_float32():
 
 
 @pytest.mark.parametrize("amx", ["1", "0"])
-@pytest.mark.parametrize("M,K,N,wsz", [(1, 300, 200, 20), (5, 64, 16, 16), (17, 300, 37, 60), (150, 576, 200, 64)])
+@pytest.mark.parametrize("M,K,N,wsz", [(1, 300, 200, 20), (5, 64, 16, 16), (17, 300, 37, 60), (150, 576, 200, 64),
+                                       (40, 576, 1100, 64)])  # the last: weights enough for every thread
 def test_bf16_products_match_reference(monkeypatch, amx, M, K, N, wsz):
     """x and the dequantized weights rounded to bfloat16, products summed in float32: on AMX tiles
     (where the CPU has them; K padded to 32, partial row and column tiles) and on the float32 path."""

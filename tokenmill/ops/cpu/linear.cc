@@ -73,15 +73,18 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 #if defined(TOKENMILL_AMX)
   if (bf16 == 2 && amx_ready()) {
     const int64_t m_pad = round_up(M, kTileRows), k_pad = round_up(K, kTileK);
-    std::vector<uint16_t> packed_a(m_pad * k_pad);
+    // kept across calls: a fresh buffer of a prefill's size is mapped anew, and every page faulted in
+    thread_local std::vector<uint16_t> packed_a;
+    packed_a.resize(m_pad * k_pad);
     pack_a_bf16(M, K, x.typed_data(), packed_a.data(), m_pad, k_pad);
+    const uint16_t* pa = packed_a.data();  // (inside the lambda, packed_a would be each worker's own)
     // blocks of whole tile pairs, at most 256 columns: a block's strips stay in L2 while A streams by
     const int64_t columns = std::min<int64_t>(256, round_up((N + 4 * threads - 1) / (4 * threads), 2 * kTileCols));
     const int64_t count = (N + columns - 1) / columns;
     auto run = [&](int64_t i, NoState&) {
       thread_local std::vector<uint16_t> strips;  // kept across calls, like gemm's panel
       strips.resize(columns * k_pad);
-      amx_gemm_columns(M, N, K, packed_a.data(), m_pad, k_pad, weights, out, strips.data(), i * columns,
+      amx_gemm_columns(M, N, K, pa, m_pad, k_pad, weights, out, strips.data(), i * columns,
                        std::min(N, (i + 1) * columns));
     };
     if (alone) {
@@ -94,7 +97,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   }
 #endif
   const float* xp = x.typed_data();
-  std::vector<float> rounded;
+  thread_local std::vector<float> rounded, packed_a;  // kept across calls, like the AMX path's
   if (bf16) {  // the float32 path multiplies x's bfloat16 values
     rounded.assign(xp, xp + M * K);
     for (float& v : rounded) v = round_bf16(v);
@@ -110,7 +113,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
         [&](int64_t i, NoState&) { gemv_rows(M, K, xp, weights, out, i * block, std::min(N, (i + 1) * block)); });
     return ffi::Error::Success();
   }
-  std::vector<float> packed_a(round_up(M, kMR) * K);
+  packed_a.resize(round_up(M, kMR) * K);
   pack_a(M, K, xp, packed_a.data());
   const float* pa = packed_a.data();
   parallel_for<NoState>(
