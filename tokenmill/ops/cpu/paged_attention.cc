@@ -41,7 +41,7 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 #define TM_INLINE static inline __attribute__((always_inline))
 
 constexpr int kChunk = 64;  // keys per online-softmax step (a multiple of 8)
-constexpr int kMaxGroup = 4;  // query heads processed together per kv head
+constexpr int kMaxGroup = 4;  // query heads that meet each V row together (P . V)
 
 TM_INLINE v8f splat(float x) { return v8f{} + x; }
 
@@ -110,46 +110,51 @@ TM_INLINE v8f exp8(v8f x) {
   return under ? splat(0.0f) : y;
 }
 
-// s[g * kChunk] (+1 for the second key) = q[g] · k for GN heads and two keys.
+// Eight vectors of partial sums → the vector of their eight totals, each summed in the same order
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), whatever its place: 7 adds and 14 shuffles
+// instead of eight horizontal sums.
+TM_INLINE v8f reduce8(const v8f* a) {
+  auto pairs = [](v8f x, v8f y) {  // [x01, y01, x23, y23, x45, y45, x67, y67]
+    return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+  };
+  auto quads = [](v8f x, v8f y) {  // from two pairs(): [a0123, b0123, c0123, d0123, a4567, ...]
+    return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  };
+  const v8f low = quads(pairs(a[0], a[1]), pairs(a[2], a[3]));
+  const v8f high = quads(pairs(a[4], a[5]), pairs(a[6], a[7]));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// s[g * kChunk + j] = q[g] · k_j for GN heads and the eight keys k_j = k[j] + off.
 template <int GN, typename KT>
-TM_INLINE void scores2(const float* q, const KT* k0, const KT* k1, int64_t D, float* s) {
-  v8f a0[GN], a1[GN];
-  for (int g = 0; g < GN; ++g) a0[g] = a1[g] = splat(0.0f);
+TM_INLINE void scores8(const float* q, const KT* const* k, int64_t off, int64_t D, float* s) {
+  v8f a[GN][8];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 8; ++j) a[g][j] = splat(0.0f);
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    v8f x0 = load8(k0 + d), x1 = load8(k1 + d);
-    for (int g = 0; g < GN; ++g) {
-      v8f qv = load8(q + g * D + d);
-      a0[g] += qv * x0;
-      a1[g] += qv * x1;
+    v8f qv[GN];
+    for (int g = 0; g < GN; ++g) qv[g] = load8(q + g * D + d);
+    for (int j = 0; j < 8; ++j) {
+      const v8f x = load8(k[j] + off + d);
+      for (int g = 0; g < GN; ++g) a[g][j] += qv[g] * x;
     }
   }
   for (int g = 0; g < GN; ++g) {
-    float r0 = hsum(a0[g]), r1 = hsum(a1[g]);
-    for (int64_t e = d; e < D; ++e) {
-      r0 += q[g * D + e] * to_f32(k0[e]);
-      r1 += q[g * D + e] * to_f32(k1[e]);
-    }
-    s[g * kChunk] = r0;
-    s[g * kChunk + 1] = r1;
+    v8f r = reduce8(a[g]);
+    for (int64_t e = d; e < D; ++e)  // head sizes that are not a multiple of 8
+      for (int j = 0; j < 8; ++j) r[j] += q[g * D + e] * to_f32(k[j][off + e]);
+    store8(s + g * kChunk, r);
   }
 }
 
-template <int GN, typename KT>
-TM_INLINE void scores1(const float* q, const KT* k0, int64_t D, float* s) {
-  v8f a0[GN];
-  for (int g = 0; g < GN; ++g) a0[g] = splat(0.0f);
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    v8f x0 = load8(k0 + d);
-    for (int g = 0; g < GN; ++g) a0[g] += load8(q + g * D + d) * x0;
-  }
-  for (int g = 0; g < GN; ++g) {
-    float r0 = hsum(a0[g]);
-    for (int64_t e = d; e < D; ++e) r0 += q[g * D + e] * to_f32(k0[e]);
-    s[g * kChunk] = r0;
-  }
-}
+// Query heads scored together: each holds eight accumulators (AVX2's 16 registers fit one head).
+#if defined(__AVX512F__)
+constexpr int kScoreGroup = 3;
+#else
+constexpr int kScoreGroup = 1;
+#endif
 
 // Software prefetch of the K and V slots `kPrefetchAhead` keys ahead of the one being scored:
 // the keys of one request are scattered over blocks, which the hardware prefetcher cannot guess.
@@ -177,18 +182,20 @@ TM_INLINE void prefetch_key(const Prefetch<KT>& pf, int64_t j) {
   __builtin_prefetch(v + pf.bytes - 1, 0, 3);
 }
 
+// Eight keys at a time; the last group repeats the last key (its extra scores land in the chunk's
+// padding, which the softmax masks), so that every score is summed the same way.
 template <int GN, typename KT>
 static void scores_group(const float* q, const KT* const* kp, int64_t off, int n, int64_t D, float* s,
                          const Prefetch<KT>& pf) {
-  int j = 0;
-  for (; j + 2 <= n; j += 2) {
-    prefetch_key(pf, j + kPrefetchAhead);
-    prefetch_key(pf, j + 1 + kPrefetchAhead);
-    scores2<GN>(q, kp[j] + off, kp[j + 1] + off, D, s + j);
-  }
-  if (j < n) {
-    prefetch_key(pf, j + kPrefetchAhead);
-    scores1<GN>(q, kp[j] + off, D, s + j);
+  for (int j = 0; j < n; j += 8) {
+    for (int i = 0; i < 8; ++i) prefetch_key(pf, j + i + kPrefetchAhead);
+    if (j + 8 <= n) {
+      scores8<GN>(q, kp + j, off, D, s + j);
+    } else {
+      const KT* last[8];
+      for (int i = 0; i < 8; ++i) last[i] = kp[std::min(j + i, n - 1)];
+      scores8<GN>(q, last, off, D, s + j);
+    }
   }
 }
 
@@ -237,15 +244,16 @@ template <typename KT>
 static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, int64_t G, int64_t D, float* s,
                        const Prefetch<KT>& pf) {
   const Prefetch<KT> none;
-  for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+  for (int64_t g0 = 0; g0 < G; g0 += kScoreGroup) {
     const float* qg = q + g0 * D;
     float* sg = s + g0 * kChunk;
     const Prefetch<KT>& p = g0 == 0 ? pf : none;  // the first pass over the keys prefetches
-    switch (std::min<int64_t>(kMaxGroup, G - g0)) {
+    switch (std::min<int64_t>(kScoreGroup, G - g0)) {
       case 1: scores_group<1>(qg, kp, off, n, D, sg, p); break;
+#if defined(__AVX512F__)
       case 2: scores_group<2>(qg, kp, off, n, D, sg, p); break;
-      case 3: scores_group<3>(qg, kp, off, n, D, sg, p); break;
-      default: scores_group<4>(qg, kp, off, n, D, sg, p); break;
+      default: scores_group<3>(qg, kp, off, n, D, sg, p); break;
+#endif
     }
   }
 }
