@@ -3,7 +3,7 @@
 Row counts on both sides of the GEMV / packed-GEMM switch (4 rows) and past a row block, column
 counts that are not multiples of a pass (64 / 32 columns), reductions longer than a packed panel,
 negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights, and
-bfloat16 products (`bf16`, --quantization w8a16) on AMX tiles and on the float32 path.
+x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and on the float32 path.
 """
 
 from __future__ import annotations
@@ -91,18 +91,20 @@ def test_int8_is_close_to_float32():
 
 
 @pytest.mark.parametrize("amx", ["1", "0"])
-@pytest.mark.parametrize("M,K,N,wsz", [(1, 300, 200, 20), (5, 64, 16, 16), (17, 300, 37, 60), (150, 576, 200, 64),
+@pytest.mark.parametrize("M,K,N,wsz", [(1, 300, 200, 20), (5, 64, 16, 16), (7, 96, 48, 32), (33, 300, 40, 300),
+                                       (17, 300, 37, 60), (150, 576, 200, 64),
                                        (40, 576, 1100, 64)])  # the last: weights enough for every thread
 def test_bf16_products_match_reference(monkeypatch, amx, M, K, N, wsz):
-    """x and the dequantized weights rounded to bfloat16, products summed in float32: on AMX tiles
-    (where the CPU has them; K padded to 32, partial row and column tiles) and on the float32 path."""
+    """x rounded to bfloat16 times the 8-bit weights: on AMX tiles where the CPU has them (windows of
+    32 or 64 rows, or one window over K padded to 32; partial row and column tiles), else on the
+    float32 path (windows of 16, 20, 60)."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
     w, scale = stack(M + K, 3, K, N, jnp.int8, wsz)
     x = jnp.asarray(np.random.default_rng(200 + M).standard_normal((M, K)), jnp.float32)
     kernel, ref = both(monkeypatch, x, w, 2, scale, wsz, bf16=True)
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
-    # and the rounding happened: float32 products land elsewhere
+    # and x was rounded: float32 products land elsewhere
     assert np.max(np.abs(kernel - both(monkeypatch, x, w, 2, scale, wsz)[1])) > F32_REL * np.max(np.abs(ref))
 
 
@@ -119,6 +121,18 @@ def test_amx_runs_where_the_cpu_has_it(monkeypatch):
         outputs[amx] = np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, 64, bf16=True))(x))
     assert ("-mamx-bf16" in build.isa_flags()) == cpu_has_amx()
     assert (not np.array_equal(outputs["1"], outputs["0"])) == cpu_has_amx()
+
+
+def test_windows_the_tiles_cannot_follow_take_the_float32_path(monkeypatch):
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    w, scale = stack(13, 1, 300, 64, jnp.int8, 20)
+    x = jnp.asarray(np.random.default_rng(14).standard_normal((40, 300)), jnp.float32)
+    outputs = []
+    for amx in ("1", "0"):
+        monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+        outputs.append(np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, 20, bf16=True))(x)))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
 def test_bf16_products_need_8bit_weights():

@@ -237,7 +237,7 @@ class EngineConfig:
     expert_quantization: str | None = None
     expert_quantization_window: int = 256  # rows of the reduction axis per scale
     # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2",
-    # or "w8a16" (int8 weights, bfloat16 products)
+    # or "w8a16" (int8 weights, inputs rounded to bfloat16)
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -54,7 +54,7 @@ VARIABLES: dict[str, _Var] = {
         _bool,
         True,
         "--quantization w8a16 on CPU: multiply on AMX tiles where the CPU has them (off: the float32 FMA path, "
-        "rounding to bfloat16 the same way)",
+        "same rounding of the inputs)",
     ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,

@@ -18,8 +18,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2", "w8a16"],
                    help="store the projections and the LM head in 8 bits (quantized at load time, one scale "
-                        "per 64 rows of each reduction axis); w8a16: int8 weights multiplied in bfloat16 (on AMX "
-                        "tiles where the CPU has them)")
+                        "per 64 rows of each reduction axis); w8a16: int8 weights, inputs rounded to bfloat16 "
+                        "(multiplied on AMX tiles where the CPU has them)")
     p.add_argument("--expert-quantization", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2"],
                    help="store an MoE model's experts in 8 bits (quantized at load time)")
     p.add_argument("--expert-quantization-window", type=int, default=256,

@@ -11,9 +11,8 @@ same layout, one scale per LINEAR_WINDOW rows of the reduction axis (per output 
 does not divide every reduction axis of the model), for `tokenmill.ops.linear.linear`, which reads a layer in place and
 dequantizes as it multiplies: a decode step reads a quarter of the bytes. The embedding table
 stays float32 for the lookup (a tied LM head gets its own quantized copy). `w8a16` stores the same
-int8 weights and multiplies in bfloat16: each projection's input and each dequantized weight are
-rounded to bfloat16 and the products summed in float32 (`ops.linear`), which runs on a CPU's AMX
-tiles where it has them.
+int8 weights and rounds each projection's input to bfloat16 (`ops.linear`): the products then run
+on a CPU's AMX tiles where it has them.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from tokenmill.model.loader import LoadedModel
 from tokenmill.ops.quantization import quantize_windows
 
 EXPERT_QUANTIZATIONS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-# --quantization takes the same formats, plus int8 weights multiplied in bfloat16
+# --quantization takes the same formats, plus int8 weights with bfloat16 inputs
 QUANTIZATIONS = {**EXPERT_QUANTIZATIONS, "w8a16": jnp.int8}
 LINEAR_WINDOW = 64  # rows per scale (llama.cpp's Q8_0 blocks hold 32)
 

@@ -6,9 +6,10 @@ column (`ops.quantization`). On CPU the C++ kernel (ops/cpu/linear.cc) computes 
 layer in place and dequantizing as it goes (TOKENMILL_LINEAR_BACKEND); `linear_ref`, the jnp
 reference, slices the layer, dequantizes it whole and lets XLA multiply.
 
-`bf16=True` (`--quantization w8a16`) multiplies in bfloat16: x and each dequantized weight are
-rounded to bfloat16, their products (exact in float32) summed in float32. The kernel runs that on
-AMX tiles where the CPU has them (ops/cpu/amx_bf16.h), else on the float32 path, rounding as it goes.
+`bf16=True` (`--quantization w8a16`) rounds x to bfloat16 before it meets the 8-bit weights: an
+8-bit code is exactly a bfloat16, so the kernel multiplies on AMX tiles where the CPU has them
+(ops/cpu/amx_bf16.h: each window's products summed in float32, then scaled), else on the float32
+path.
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None
     if scale is None:
         return x @ w[layer]
     weights = dequantize(w[layer], scale[layer], wsz, 0, jnp.float32)
-    x = x.astype(jnp.float32)
-    if bf16:  # bfloat16 products are exact in float32: a float32 dot of the rounded values is theirs
-        x, weights = to_bf16_values(x), to_bf16_values(weights)
+    x = to_bf16_values(x) if bf16 else x.astype(jnp.float32)
     return jnp.dot(x, weights, preferred_element_type=jnp.float32)
 
 

@@ -73,24 +73,8 @@ static std::array<float, 256> float8_table(int mantissa_bits, int bias, bool iee
 static const std::array<float, 256> kE4M3 = float8_table(3, 7, false);
 static const std::array<float, 256> kE5M2 = float8_table(2, 15, true);
 
-// x rounded to the nearest bfloat16, ties to even (finite x), kept in float32
-TM_INLINE float round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-typedef uint32_t vu __attribute__((vector_size(kVW * sizeof(uint32_t))));
-TM_INLINE vf round_bf16(vf x) {
-  const vu bits = (vu)x;
-  return (vf)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
-}
-
 // A weight matrix B[K, N], row-major: float32, or 8-bit codes (int8, or float8 decoded through
 // `table`) with one float32 scale per window of `wsz` rows and column (scale [K / wsz, N]).
-// `bf16`: every weight, once dequantized, is rounded to bfloat16 (--quantization w8a16).
 struct Weights {
   const char* data = nullptr;
   int64_t N = 0;
@@ -99,7 +83,6 @@ struct Weights {
   bool is_int8 = false;
   const float* scale = nullptr;  // nullptr: float32 values
   int64_t wsz = 0;
-  bool bf16 = false;
 
   // the sub-matrix that starts `values` values and `scales` scales further on (another expert's)
   Weights at(int64_t values, int64_t scales) const {
@@ -234,8 +217,6 @@ static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t
         const uint8_t* q = reinterpret_cast<const uint8_t*>(row) + first;
         for (int64_t j = 0; j < n; ++j) dst[j] = B.table[q[j]] * scale[first + j];
       }
-      if (B.bf16)
-        for (int64_t j = 0; j < n; ++j) dst[j] = round_bf16(dst[j]);
       if (n < kNR) std::memset(dst + n, 0, (kNR - n) * sizeof(float));
     }
   }
@@ -257,8 +238,8 @@ constexpr int kGemvVectors = 4;  // columns per pass: kGemvVectors vectors of ea
 // One vector of row k of B from column n on, as float32; `scale` points at the scales of row k's
 // window (unused for float32 weights). Scaled value by value, as pack_b does: the GEMV and the GEMM
 // then run the same chain of FMAs for every output, so a row's result does not depend on how many
-// rows share the call (batch invariance). decode_weights leaves out load_weights' bfloat16 rounding.
-TM_INLINE vf decode_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
+// rows share the call (batch invariance).
+TM_INLINE vf load_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
   const char* row = B.data + (k * B.N + n) * B.elem;
   if (B.scale == nullptr) return loadv(reinterpret_cast<const float*>(row));
   if (B.is_int8) return int8_to_float(row) * loadv(scale + n);
@@ -267,20 +248,11 @@ TM_INLINE vf decode_weights(const Weights& B, int64_t k, int64_t n, const float*
   return loadv(decoded) * loadv(scale + n);
 }
 
-TM_INLINE vf load_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
-  const vf w = decode_weights(B, k, n, scale);
-  return B.bf16 ? round_bf16(w) : w;
-}
-
 TM_INLINE float load_weight(const Weights& B, int64_t k, int64_t n) {
   const char* at = B.data + (k * B.N + n) * B.elem;
-  float w;
-  if (B.scale == nullptr)
-    w = *reinterpret_cast<const float*>(at);
-  else
-    w = (B.is_int8 ? float(*reinterpret_cast<const int8_t*>(at)) : B.table[static_cast<uint8_t>(*at)]) *
-        B.scale[(k / B.wsz) * B.N + n];
-  return B.bf16 ? round_bf16(w) : w;
+  if (B.scale == nullptr) return *reinterpret_cast<const float*>(at);
+  const float scale = B.scale[(k / B.wsz) * B.N + n];
+  return (B.is_int8 ? float(*reinterpret_cast<const int8_t*>(at)) : B.table[static_cast<uint8_t>(*at)]) * scale;
 }
 
 template <int M>

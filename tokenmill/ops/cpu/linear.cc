@@ -14,13 +14,14 @@
 // through gemv; more rows pack A once and run gemm.h's blocked GEMM over each block. The layer index
 // follows jnp indexing: negative wraps once, then it is clamped into range.
 //
-// `bf16` (--quantization w8a16): x and each dequantized weight are rounded to bfloat16 (ties to
-// even); the products are summed in float32. 1: on the float32 path (gemm.h, Weights::bf16);
-// 2: on AMX tiles (amx_bf16.h) when this build and the OS allow them, for every M (one arithmetic
-// whatever the batch), else as 1.
+// `bf16` (--quantization w8a16): x is rounded to bfloat16 (ties to even) and multiplies the 8-bit
+// weights. 1: on the float32 path; 2: on AMX tiles (amx_bf16.h: the codes are exact bfloat16, each
+// window's sum is scaled in float32) when this build, the OS and the scale windows allow, for every
+// M (one arithmetic whatever the batch), else as 1.
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,15 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// x rounded to the nearest bfloat16, ties to even (finite x), kept in float32
+float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
 
 int64_t wrap_clamp(int64_t i, int64_t n) {
   if (i < 0) i += n;
@@ -54,8 +64,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   if (const char* problem = weights_of(w, scale, wsz, K, N, all); *problem)
     return ffi::Error::InvalidArgument(std::string("linear: ") + problem);
   const int64_t l = wrap_clamp(layer.typed_data()[0], L);
-  Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
-  weights.bf16 = bf16 != 0;
+  const Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
   float* out = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
@@ -71,8 +80,10 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const int64_t blocks = (N + block - 1) / block;
   struct NoState {};
 #if defined(TOKENMILL_AMX)
-  if (bf16 == 2 && amx_ready()) {
-    const int64_t m_pad = round_up(M, kTileRows), k_pad = round_up(K, kTileK);
+  const int64_t k_pad = round_up(K, kTileK);
+  const int64_t window = weights.scale == nullptr ? 0 : amx_window(wsz, K, k_pad);
+  if (bf16 == 2 && window > 0 && amx_ready()) {
+    const int64_t m_pad = round_up(M, kTileRows);
     // kept across calls: a fresh buffer of a prefill's size is mapped anew, and every page faulted in
     thread_local std::vector<uint16_t> packed_a;
     packed_a.resize(m_pad * k_pad);
@@ -84,7 +95,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     auto run = [&](int64_t i, NoState&) {
       thread_local std::vector<uint16_t> strips;  // kept across calls, like gemm's panel
       strips.resize(columns * k_pad);
-      amx_gemm_columns(M, N, K, pa, m_pad, k_pad, weights, out, strips.data(), i * columns,
+      amx_gemm_columns(M, N, K, pa, m_pad, k_pad, weights, window, out, strips.data(), i * columns,
                        std::min(N, (i + 1) * columns));
     };
     if (alone) {

@@ -3,9 +3,8 @@
 `w` is the [L, K, N] stack of every layer's weights and `layer` a traced index: inside the model's
 scan, handing the kernel one layer's slice would make XLA copy it out of the stack on every step.
 Float32 weights, or 8-bit ones (int8, float8 e4m3fn / e5m2) with one scale per window of `wsz` rows
-and column, dequantized inside the kernel as they are packed. `bf16`: x and each dequantized weight are
-rounded to bfloat16, their products summed in float32 (on AMX tiles where the
-CPU has them and TOKENMILL_CPU_AMX allows).
+and column, dequantized inside the kernel as they are packed. `bf16`: x is rounded to bfloat16 first
+(then the products run on AMX tiles where the CPU has them and TOKENMILL_CPU_AMX allows).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False) -> jax.Array:
     """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]) → f32[M, N]; `bf16`:
-    x and the weights rounded to bfloat16 (8-bit w only)."""
+    x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
