@@ -18,7 +18,7 @@ lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenm
 # W1 with 1024-token prompts (the long-context target compares its total tok/s with W1's)
 lock .venv/bin/tokenmill bench throughput --input-len 1024 --reps "${LONG_REPS:-2}" --output-json "$OUT/tokenmill-w1-1024.json" > "$OUT/tokenmill-w1-1024.log" 2>&1
 lock .venv/bin/python benchmarks/startup.py | result tokenmill-startup
-for q in int8; do  # --quantization: projections and LM head in 8 bits
+for q in int8 w8a16; do  # --quantization: projections and LM head in 8 bits
   lock .venv/bin/tokenmill bench throughput --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w1.json" > "$OUT/tokenmill-$q-w1.log" 2>&1
   lock .venv/bin/tokenmill bench latency --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w2.json" > "$OUT/tokenmill-$q-w2.log" 2>&1
 done
