@@ -1,4 +1,5 @@
-"""`--quantization`: projections and LM head stored in 8 bits at load time, on the real SmolLM2.
+"""`--quantization`: projections and LM head stored in 8 bits at load time (int8; w8a16, the same
+weights with inputs rounded to bfloat16), on the real SmolLM2.
 
 The issue's bar for 8-bit weights: greedy output on the parity prompts unchanged for at least 30
 of the first 32 tokens, and perplexity on a fixed text within 1% of float32. Three of the eight
@@ -51,15 +52,15 @@ def perplexity(llm: LLM) -> float:
 
 @pytest.mark.parametrize("kind", ["int8", "w8a16"])
 def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
-    """int8: float32 products; w8a16: the same weights, products of bfloat16-rounded inputs and
-    weights (on AMX tiles where the CPU has them)."""
-    int8 = LLM(smollm2, quantization=kind, **ENGINE)
-    assert int8.engine.model.config.quantization == kind
-    assert str(int8.engine.model.params["layers"]["wq"].dtype) == "int8"
+    """int8: float32 inputs; w8a16: the same weights, inputs rounded to bfloat16 (multiplied on AMX
+    tiles where the CPU has them)."""
+    quantized = LLM(smollm2, quantization=kind, **ENGINE)
+    assert quantized.engine.model.config.quantization == kind
+    assert str(quantized.engine.model.params["layers"]["wq"].dtype) == "int8"
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
     diverged = []
     for a, b in zip(fp32.generate(PARITY_PROMPTS, greedy, use_tqdm=False),
-                    int8.generate(PARITY_PROMPTS, greedy, use_tqdm=False)):
+                    quantized.generate(PARITY_PROMPTS, greedy, use_tqdm=False)):
         x, y = a.outputs[0].token_ids, b.outputs[0].token_ids
         agree = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
         if agree < 30:
@@ -67,7 +68,7 @@ def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
             assert top2[0] - top2[1] < NEAR_TIE, (a.prompt, agree, top2, x, y)
             diverged.append(a.prompt)
     assert len(diverged) <= 3, diverged
-    p32, p8 = perplexity(fp32), perplexity(int8)
+    p32, p8 = perplexity(fp32), perplexity(quantized)
     assert abs(p8 - p32) <= 0.01 * p32, (p32, p8)
 
 

@@ -29,7 +29,8 @@ def to_bf16_values(x: jax.Array) -> jax.Array:
 
 def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
                bf16: bool = False) -> jax.Array:
-    """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N])."""
+    """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N]); `bf16`: x
+    rounded to bfloat16 first."""
     if scale is None:
         return x @ w[layer]
     weights = dequantize(w[layer], scale[layer], wsz, 0, jnp.float32)
@@ -58,7 +59,7 @@ def _use_cpu_kernel(x, w, scale) -> bool:
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False) -> jax.Array:
     """x [M, K], w [L, K, N] (scale [L, K / wsz, N] for 8-bit w) → [M, N] = x . w[layer] (float32 on
-    the kernel and for 8-bit w, else x's dtype); `bf16`: multiplied in bfloat16 (8-bit w only)."""
+    the kernel and for 8-bit w, else x's dtype); `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if bf16 and scale is None:
         raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
     if _use_cpu_kernel(x, w, scale):

@@ -148,4 +148,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("wsz")  // rows per scale window (0: float32 weights)
-                                  .Attr<int64_t>("bf16"));  // 0: float32; 1, 2: bfloat16 products (2: AMX)
+                                  .Attr<int64_t>("bf16"));  // 0: float32 x; 1, 2: x rounded to bfloat16 (2: AMX)

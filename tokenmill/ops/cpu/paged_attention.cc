@@ -115,10 +115,12 @@ TM_INLINE v8f exp8(v8f x) {
 // instead of eight horizontal sums.
 TM_INLINE v8f reduce8(const v8f* a) {
   auto pairs = [](v8f x, v8f y) {  // [x01, y01, x23, y23, x45, y45, x67, y67]
-    return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+    return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
   };
   auto quads = [](v8f x, v8f y) {  // from two pairs(): [a0123, b0123, c0123, d0123, a4567, ...]
-    return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
   };
   const v8f low = quads(pairs(a[0], a[1]), pairs(a[2], a[3]));
   const v8f high = quads(pairs(a[4], a[5]), pairs(a[6], a[7]));
