@@ -121,7 +121,19 @@ struct Prefetch {
   }
 };
 
-TM_INLINE vf splat(float x) { return x - vf{}; }  // (x + 0 is not x for x = -0: it would cost an add)
+TM_INLINE vf splat(float x) { return x - vf{}; }
+
+// a * b + c rounded as the vector lanes' `c += a * b` is: one fused rounding where the target has
+// FMA (-ffp-contract=fast fuses the lanes; a scalar expression it may leave unfused, so std::fma),
+// else two roundings.
+TM_INLINE float lane_fma(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return std::fma(a, b, c);
+#else
+  const float product = a * b;
+  return product + c;
+#endif
+}  // (x + 0 is not x for x = -0: it would cost an add)
 
 // C[0:M, 0:cols] = (accumulate ? C : 0) + A[0:M, 0:kc] . B[0:kc, 0:kNR], from packed operands: PA
 // holds A k-major (kMR floats per k, rows past M unused), PB one strip of B (kNR floats per k,
@@ -280,8 +292,7 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
   for (; n < n1; ++n)  // the columns past the last whole pass (small models)
     for (int m = 0; m < M; ++m) {
       float acc = 0.f;
-      // std::fma, as the vector lanes do (-ffp-contract may leave a scalar a * b + c unfused)
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * K + k], load_weight(B, k, n), acc);
+      for (int64_t k = 0; k < K; ++k) acc = lane_fma(x[m * K + k], load_weight(B, k, n), acc);
       y[m * B.N + n] = acc;
     }
 }
