@@ -17,6 +17,7 @@ go to one rank, so that they share its cached prompt blocks, and stats are merge
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -83,9 +84,21 @@ class AsyncLLM:
                  stat_logger: StatLogger | None = None, wave_mode: bool | None = None):
         """`wave_mode`: data-parallel ranks step in lock-step waves (dp_core_proc.py); None: when they
         serve an expert-parallel MoE model (dp_coordinator.uses_waves)."""
-        # the tokenizer first: a bad model path fails here, in a second, before any process starts
-        tokenizer, chat_template = load_tokenizer(config.model)
+        # the config first: a bad model path fails here, at once, before any process starts
         model_config = load_config(config.model)
+        # the core process needs no tokenizer: it starts while this one loads (about a second)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tokenizer_loaded = pool.submit(load_tokenizer, config.model)
+            if wave_mode is None:
+                wave_mode = uses_waves(config.parallel, model_config)
+            self.client = EngineCoreClient(config, enable_prefix_caching,
+                                           startup_timeout_s=envs.TOKENMILL_ENGINE_STARTUP_TIMEOUT_S,
+                                           wave_mode=wave_mode)
+            try:
+                tokenizer, chat_template = tokenizer_loaded.result()
+            except BaseException:
+                self.client.shutdown()
+                raise
         self.config = config
         self.max_model_len = config.scheduler.max_model_len
         self.model = LoadedModel(config=model_config, params={}, tokenizer=tokenizer,
@@ -94,11 +107,6 @@ class AsyncLLM:
         self.processor = Processor(self.model, self.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_logger = stat_logger
-        if wave_mode is None:
-            wave_mode = uses_waves(config.parallel, model_config)
-        self.client = EngineCoreClient(config, enable_prefix_caching,
-                                       startup_timeout_s=envs.TOKENMILL_ENGINE_STARTUP_TIMEOUT_S,
-                                       wave_mode=wave_mode)
         self.num_blocks = self.client.num_blocks
         self.block_size = self.client.block_size
         self.stall_timeout_s = envs.TOKENMILL_ENGINE_STALL_TIMEOUT_S
