@@ -208,6 +208,20 @@ def test_reset_prefix_cache():
     kv.check_consistency()
 
 
+def test_blocks_that_held_a_prefix_are_reused_first_after_a_reset():
+    """Their pages have been written; blocks never used may still be untouched (lazy) memory."""
+    kv = KVCacheManager(20, BS)
+    a = req("a", range(3 * BS))
+    admit(kv, a)
+    used = kv.get_block_ids("a")
+    kv.free(a)  # hashed: to the tail of the queue, behind the never-used blocks
+    assert kv.reset_prefix_cache() is True
+    b = req("b", range(1000, 1000 + 3 * BS))
+    admit(kv, b)
+    assert sorted(kv.get_block_ids("b")) == sorted(used)
+    kv.check_consistency()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(

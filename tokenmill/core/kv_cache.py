@@ -211,9 +211,15 @@ class KVCacheManager:
                     self.free_queue.move_to_end(b, last=False)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. Refused (False, nothing changed) while any block is in use."""
+        """Forget every cached block. Refused (False, nothing changed) while any block is in use.
+        The blocks that held a prefix become plain free blocks, and like those (free()) go to the
+        front of the queue, in their order: their pages have been written, where the blocks never
+        used yet may still be untouched memory (the CPU cache is lazily mapped)."""
         if len(self.free_queue) != self.num_usable_blocks:
             return False
+        held = [b for b in self.free_queue if self.block_hash[b] is not None]
+        for b in reversed(held):
+            self.free_queue.move_to_end(b, last=False)
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         return True
