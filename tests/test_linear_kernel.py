@@ -40,7 +40,18 @@ def both(monkeypatch, x, w, layer, scale, wsz, bf16=False):
 
 
 def cpu_has_amx() -> bool:
-    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= build._cpu_flags()
+    """What amx_bf16.h needs: the tiles, and the AVX-512 conversions that feed them."""
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= build._cpu_flags()
+
+
+def with_and_without_amx(monkeypatch, x, w, scale, wsz):
+    """(TOKENMILL_CPU_AMX=1, =0) outputs of the bf16 kernel on layer 0."""
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    outputs = []
+    for amx in ("1", "0"):
+        monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+        outputs.append(np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, wsz, bf16=True))(x)))
+    return outputs
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
@@ -112,27 +123,18 @@ def test_amx_runs_where_the_cpu_has_it(monkeypatch):
     """TOKENMILL_CPU_AMX=1 takes the tiles on a CPU with AMX-BF16 (their sums run in another order
     than the float32 path's, so some output differs in its last bits), and changes nothing elsewhere."""
     require_kernel()
-    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     w, scale = stack(11, 1, 576, 256, jnp.int8, 64)
     x = jnp.asarray(np.random.default_rng(12).standard_normal((64, 576)), jnp.float32)
-    outputs = {}
-    for amx in ("1", "0"):
-        monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
-        outputs[amx] = np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, 64, bf16=True))(x))
+    tiles, fma = with_and_without_amx(monkeypatch, x, w, scale, 64)
     assert ("-mamx-bf16" in build.isa_flags()) == cpu_has_amx()
-    assert (not np.array_equal(outputs["1"], outputs["0"])) == cpu_has_amx()
+    assert (not np.array_equal(tiles, fma)) == cpu_has_amx()
 
 
 def test_windows_the_tiles_cannot_follow_take_the_float32_path(monkeypatch):
     require_kernel()
-    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     w, scale = stack(13, 1, 300, 64, jnp.int8, 20)
     x = jnp.asarray(np.random.default_rng(14).standard_normal((40, 300)), jnp.float32)
-    outputs = []
-    for amx in ("1", "0"):
-        monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
-        outputs.append(np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, 20, bf16=True))(x)))
-    np.testing.assert_array_equal(outputs[0], outputs[1])
+    np.testing.assert_array_equal(*with_and_without_amx(monkeypatch, x, w, scale, 20))
 
 
 def test_bf16_products_need_8bit_weights():

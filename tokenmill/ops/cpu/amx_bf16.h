@@ -84,9 +84,9 @@ static void pack_a_bf16(int64_t M, int64_t K, const float* A, uint16_t* PA, int6
 
 // Columns [n, n + cols) of row k of B's 8-bit codes, unscaled, as float32 (zero past cols)
 TM_INLINE __m512 codes_row(const Weights& B, int64_t k, int64_t n, int cols) {
-  alignas(64) float values[kTileCols] = {};
   const char* row = B.data + k * B.N + n;
   if (B.is_int8 && cols == kTileCols) return (__m512)int8_to_float(row);
+  alignas(64) float values[kTileCols] = {};
   for (int j = 0; j < cols; ++j)
     values[j] = B.is_int8 ? float(reinterpret_cast<const int8_t*>(row)[j]) : B.table[static_cast<uint8_t>(row[j])];
   return _mm512_load_ps(values);

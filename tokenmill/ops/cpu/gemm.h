@@ -121,7 +121,7 @@ struct Prefetch {
   }
 };
 
-TM_INLINE vf splat(float x) { return x - vf{}; }
+TM_INLINE vf splat(float x) { return x - vf{}; }  // (x + 0 is not x for x = -0: it would cost an add)
 
 // a * b + c rounded as the vector lanes' `c += a * b` is: one fused rounding where the target has
 // FMA (-ffp-contract=fast fuses the lanes; a scalar expression it may leave unfused, so std::fma),
@@ -133,7 +133,7 @@ TM_INLINE float lane_fma(float a, float b, float c) {
   const float product = a * b;
   return product + c;
 #endif
-}  // (x + 0 is not x for x = -0: it would cost an add)
+}
 
 // C[0:M, 0:cols] = (accumulate ? C : 0) + A[0:M, 0:kc] . B[0:kc, 0:kNR], from packed operands: PA
 // holds A k-major (kMR floats per k, rows past M unused), PB one strip of B (kNR floats per k,
