@@ -48,6 +48,7 @@ from tokenmill.engine.dp_load_balancer import RankLoads
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
+DEAD_CORE_GRACE_S = 0.5  # how long a dead core's last message may take to arrive
 
 
 class EngineDeadError(RuntimeError):
@@ -159,7 +160,9 @@ class EngineCoreClient:
     def _recv_handshake(self, deadline: float, what: str) -> tuple[int, m.HandshakeMessage]:
         while not self.input_socket.poll(int(POLL_S * 1000)):
             for rank, proc in enumerate(self.procs):
-                if not proc.is_alive():
+                # a core that failed sends its reason, then exits: the reason may land between the
+                # poll above and this check, so look once more before reporting a bare exit
+                if not proc.is_alive() and not self.input_socket.poll(int(DEAD_CORE_GRACE_S * 1000)):
                     raise EngineStartupError(
                         f"the engine core{self._rank_label(rank)} exited (code {proc.exitcode}) while {what}")
             if time.monotonic() > deadline:
