@@ -2,8 +2,8 @@
 
 Row counts on both sides of the GEMV / packed-GEMM switch (4 rows) and past a row block, column
 counts that are not multiples of a pass (64 / 32 columns), reductions longer than a packed panel,
-negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights, and
-x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and on the float32 path.
+negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 weights row-major and in
+the kernel's strips, 8-bit weights, and x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and on the float32 path.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from tokenmill.ops.cpu import build
 from tokenmill.ops.cpu import linear as cpu_linear
-from tokenmill.ops.linear import linear, linear_ref
+from tokenmill.ops.linear import kernel_layout, linear, linear_ref
 from tokenmill.ops.quantization import quantize_windows
 
 F32_REL = 1e-5
@@ -81,6 +81,37 @@ def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
     full = np.asarray(call(x))
     for rows in (1, 3, 4, 5, 13):
         np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
+@pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)
+def test_strips_multiply_like_the_row_major_stack(monkeypatch, M, N):
+    """Float32 weights in the kernel's strips (read in place by the GEMM, streamed by the GEMV) give
+    bit for bit what the same weights give row-major, where the kernel packs them on every call:
+    the same FMA chain per output. The jnp reference reads strips too."""
+    require_kernel()
+    w, _ = stack(M + N, 3, 300, N, jnp.float32, None)
+    strips = jax.jit(cpu_linear.to_strips)(w)
+    assert strips.shape == (3, N // cpu_linear.STRIP, 300, cpu_linear.STRIP)
+    x = jnp.asarray(np.random.default_rng(300 + M).standard_normal((M, 300)), jnp.float32)
+    kernel, ref = both(monkeypatch, x, strips, 2, None, None)
+    row_major, _ = both(monkeypatch, x, w, 2, None, None)
+    np.testing.assert_array_equal(kernel, row_major)
+    np.testing.assert_array_equal(ref, np.asarray(linear_ref(x, w, 2)))
+    assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
+
+
+def test_strips_are_made_only_where_the_kernel_multiplies_them(monkeypatch):
+    require_kernel()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    w = jnp.zeros((2, 8, 64), jnp.float32)
+    assert kernel_layout(w, mesh).shape == (2, 2, 8, 32)
+    assert kernel_layout(w[:, :, :48], mesh).shape == (2, 8, 48)  # not whole strips
+    assert kernel_layout(w.astype(jnp.bfloat16), mesh).dtype == jnp.bfloat16
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "jnp")
+    assert kernel_layout(w, mesh).shape == (2, 8, 64)
+    with pytest.raises(ValueError, match="N=48 is not a multiple of 32"):
+        cpu_linear.to_strips(w[:, :, :48])
 
 
 @pytest.mark.parametrize("layer", [-1, 7, -9])

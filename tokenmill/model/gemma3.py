@@ -24,6 +24,11 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
+def to_kernel_layout(params: dict, mesh) -> dict:
+    """`params` as placed: Gemma 3's projections are the scan's per-layer slices, multiplied by XLA."""
+    return params
+
+
 def forward(
     params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
     md: AttentionMetadata,

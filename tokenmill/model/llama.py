@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
-from tokenmill.ops.linear import linear
+from tokenmill.ops.linear import kernel_layout, linear
 from tokenmill.ops.moe import fused_moe
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
@@ -60,6 +60,13 @@ def param_specs(cfg: ModelConfig) -> dict:
     elif not cfg.tie_word_embeddings:
         specs["lm_head"] = P(None, "model")
     return specs
+
+
+def to_kernel_layout(params: dict, mesh) -> dict:
+    """`params` placed on `mesh`, with each float32 projection stack in the layout ops.linear
+    multiplies fastest there (the CPU kernel's strips, made once here rather than on every call)."""
+    layers = {k: kernel_layout(v, mesh) if k in LINEAR_WEIGHTS else v for k, v in params["layers"].items()}
+    return {**params, "layers": layers}
 
 
 def projections(cfg: ModelConfig, stacked: dict, layer):

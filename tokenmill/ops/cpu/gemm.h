@@ -40,6 +40,10 @@ constexpr int kNR = kNV * kVW;
 constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
 constexpr int64_t kKC = 256;  // rows of B per packed panel
 constexpr int64_t kNC = 256;  // columns of B per packed panel (kKC x kNC floats: 256 KiB, L2-sized)
+// Float32 weights may also be stored packed (linear.cc's "strips" layout, made at load time):
+// strips of kStrip columns, each K x kStrip contiguous, so the micro-kernel reads them in place.
+constexpr int64_t kStrip = 32;
+static_assert(kStrip % kNR == 0, "a stored strip holds whole micro-kernel strips");
 
 TM_INLINE vf loadv(const float* p) {
   vf x;
@@ -83,6 +87,14 @@ struct Weights {
   bool is_int8 = false;
   const float* scale = nullptr;  // nullptr: float32 values
   int64_t wsz = 0;
+  // float32 only: 0 for row-major B, else B is stored in strips of kStrip columns, each K x kStrip
+  // k-major, and this is the number of values from one strip to the next (K * kStrip)
+  int64_t strip_stride = 0;
+
+  // float32 weights stored in strips: where column n's strip holds row k
+  const float* strip_at(int64_t k, int64_t n) const {
+    return reinterpret_cast<const float*>(data) + (n / kStrip) * strip_stride + k * kStrip + n % kStrip;
+  }
 
   // the sub-matrix that starts `values` values and `scales` scales further on (another expert's)
   Weights at(int64_t values, int64_t scales) const {
@@ -103,12 +115,21 @@ struct Prefetch {
   int64_t line = 0;  // the next line within the row
 
   Prefetch() = default;
-  // rows [k0, k0 + rows) x columns [n0, n0 + cols) of B (its scales are few: left to the hardware)
-  Prefetch(const Weights& B, int64_t k0, int64_t n0, int64_t rows, int64_t cols)
-      : row(B.data + (k0 * B.N + n0) * B.elem),
-        stride(B.N * B.elem),
-        row_lines((cols * B.elem + 63) / 64),
-        rows_left(rows) {}
+  // rows [k0, k0 + rows) x columns [n0, n0 + cols) of B (its scales are few: left to the hardware);
+  // of B in strips, the rows of each strip in turn (n0 and cols whole strips)
+  Prefetch(const Weights& B, int64_t k0, int64_t n0, int64_t rows, int64_t cols) {
+    if (B.strip_stride == 0) {
+      row = B.data + (k0 * B.N + n0) * B.elem;
+      stride = B.N * B.elem;
+      row_lines = (cols * B.elem + 63) / 64;
+      rows_left = rows;
+    } else {
+      row = reinterpret_cast<const char*>(B.strip_at(k0, n0));
+      stride = B.strip_stride * 4;
+      row_lines = (rows * kStrip * 4 + 63) / 64;
+      rows_left = (cols + kStrip - 1) / kStrip;
+    }
+  }
 
   inline __attribute__((always_inline)) void step() {
     if (rows_left <= 0) return;
@@ -137,9 +158,9 @@ TM_INLINE float lane_fma(float a, float b, float c) {
 
 // C[0:M, 0:cols] = (accumulate ? C : 0) + A[0:M, 0:kc] . B[0:kc, 0:kNR], from packed operands: PA
 // holds A k-major (kMR floats per k, rows past M unused), PB one strip of B (kNR floats per k,
-// zero past `cols`).
+// zero past `cols`), its rows `ldb` floats apart.
 template <int M>
-static void micro_kernel(int64_t kc, const float* PA, const float* PB, float* C, int64_t ldc, int cols,
+static void micro_kernel(int64_t kc, const float* PA, const float* PB, int64_t ldb, float* C, int64_t ldc, int cols,
                          bool accumulate, Prefetch& pf) {
   vf c[M][kNV];
   const bool full = cols == kNR;
@@ -152,7 +173,7 @@ static void micro_kernel(int64_t kc, const float* PA, const float* PB, float* C,
   }
   for (int64_t k = 0; k < kc; ++k) {
     vf b[kNV];
-    for (int j = 0; j < kNV; ++j) b[j] = loadv(PB + k * kNR + j * kVW);
+    for (int j = 0; j < kNV; ++j) b[j] = loadv(PB + k * ldb + j * kVW);
     pf.step();
     for (int i = 0; i < M; ++i) {
       const vf a = splat(PA[k * kMR + i]);
@@ -167,7 +188,7 @@ static void micro_kernel(int64_t kc, const float* PA, const float* PB, float* C,
     for (int i = 0; i < M; ++i) std::memcpy(C + i * ldc, tail[i], cols * sizeof(float));
 }
 
-using MicroKernel = void (*)(int64_t, const float*, const float*, float*, int64_t, int, bool, Prefetch&);
+using MicroKernel = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t, int, bool, Prefetch&);
 
 template <int... Ms>
 constexpr auto micro_table(std::integer_sequence<int, Ms...>) {
@@ -245,6 +266,7 @@ struct GemmBuffers {
 // row-major (leading dimensions K and N).
 constexpr int kGemvRows = 4;
 constexpr int kGemvVectors = 4;  // columns per pass: kGemvVectors vectors of each row of B
+static_assert(kGemvVectors * kVW % kStrip == 0, "a GEMV's blocks of columns are whole strips");
 
 
 // One vector of row k of B from column n on, as float32; `scale` points at the scales of row k's
@@ -297,7 +319,37 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
     }
 }
 
+// gemv for float32 B stored in strips (n0, n1 whole strips): each strip is one contiguous stream
+template <int M>
+static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
+  constexpr int kV = kStrip / kVW;
+  for (int64_t n = n0; n < n1; n += kStrip) {
+    const float* strip = B.strip_at(0, n);
+    vf acc[M][kV] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      __builtin_prefetch(strip + (k + 16) * kStrip, 0, 3);
+      __builtin_prefetch(strip + (k + 16) * kStrip + 16, 0, 3);
+      vf b[kV];
+      for (int j = 0; j < kV; ++j) b[j] = loadv(strip + k * kStrip + j * kVW);
+      for (int m = 0; m < M; ++m) {
+        const vf a = splat(x[m * K + k]);
+        for (int j = 0; j < kV; ++j) acc[m][j] += a * b[j];
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kV; ++j) storev(y + m * B.N + n + j * kVW, acc[m][j]);
+  }
+}
+
 static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
+  if (B.strip_stride != 0) {
+    switch (M) {
+      case 1: return gemv_strips<1>(K, x, B, y, n0, n1);
+      case 2: return gemv_strips<2>(K, x, B, y, n0, n1);
+      case 3: return gemv_strips<3>(K, x, B, y, n0, n1);
+      default: return gemv_strips<4>(K, x, B, y, n0, n1);
+    }
+  }
   switch (M) {
     case 1: return gemv<1>(K, x, B, y, n0, n1);
     case 2: return gemv<2>(K, x, B, y, n0, n1);
@@ -310,8 +362,9 @@ static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, fl
 constexpr int64_t kMC = 8 * kMR;
 
 // C[:, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N columns);
-// `panel` holds one packed panel of B. `next`, when given, is the B of the GEMM that follows: its
-// first panel is prefetched during the last panel of this one.
+// `panel` holds one packed panel of B (B stored in strips is read in place; n_begin, n_end whole
+// strips). `next`, when given, is the B of the GEMM that follows: its first panel is prefetched
+// during the last panel of this one.
 static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
                         int64_t n_begin, int64_t n_end, const Weights* next = nullptr) {
   const int64_t m_pad = round_up(M, kMR);
@@ -319,7 +372,7 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
     const int64_t nc = std::min(kNC, n_end - n0);
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       const int64_t kc = std::min(kKC, K - k0);
-      pack_b(kc, nc, B, k0, n0, panel);
+      if (B.strip_stride == 0) pack_b(kc, nc, B, k0, n0, panel);
       Prefetch pf;
       if (k0 + kKC < K)
         pf = Prefetch(B, k0 + kKC, n0, std::min(kKC, K - k0 - kKC), nc);
@@ -330,9 +383,11 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
       for (int64_t mc = 0; mc < M; mc += kMC) {
         for (int64_t s = 0; s * kNR < nc; ++s) {
           const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
+          const bool in_place = B.strip_stride != 0;
+          const float* strip = in_place ? B.strip_at(k0, n0 + s * kNR) : panel + s * kc * kNR;
           for (int64_t m0 = mc; m0 < std::min(M, mc + kMC); m0 += kMR) {
             const int m = int(std::min<int64_t>(kMR, M - m0));
-            kMicroKernels[m - 1](kc, PA + k0 * m_pad + (m0 / kMR) * kc * kMR, panel + s * kc * kNR,
+            kMicroKernels[m - 1](kc, PA + k0 * m_pad + (m0 / kMR) * kc * kMR, strip, in_place ? kStrip : kNR,
                                  C + m0 * N + n0 + s * kNR, N, cols, k0 > 0, pf);
           }
         }

@@ -3,6 +3,11 @@
 //
 //   y[M, N] = x[M, K] . w[layer]      for w the [L, K, N] stack of every layer's weights
 //
+// Float32 weights may come in the kernel's own layout instead, [L, N / kStrip, K, kStrip] (strips of
+// kStrip columns, made once at load time by linear.py's `to_strips`): the GEMM then multiplies them
+// where they lie instead of packing a copy of every panel on every call, and a GEMV reads each
+// strip as one contiguous stream.
+//
 // The layer is an operand, not a slice: inside the model's scan over layers, a custom call given
 // one layer's slice would make XLA copy it out of the stack first, i.e. read the weights twice.
 // Weights are float32, or 8-bit (int8, float8 e4m3fn / e5m2) with one float32 scale per window of
@@ -55,14 +60,18 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                       int64_t bf16) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("linear: expected x [M, K] and w [L, K, N]");
-  const int64_t M = xd[0], K = xd[1], L = wd[0], N = wd[2];
+  const bool strips = wd.size() == 4;
+  if (xd.size() != 2 || !((wd.size() == 3 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == kStrip)))
+    return ffi::Error::InvalidArgument("linear: expected x [M, K] and w [L, K, N] or [L, N / 32, K, 32]");
+  if (strips && (w.element_type() != ffi::DataType::F32 || wsz != 0))
+    return ffi::Error::InvalidArgument("linear: weights in strips are float32, without scales");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], N = strips ? wd[1] * kStrip : wd[2];
   if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(M * N))
     return ffi::Error::InvalidArgument("linear: expected a scalar layer and y [M, N]");
   Weights all;
   if (const char* problem = weights_of(w, scale, wsz, K, N, all); *problem)
     return ffi::Error::InvalidArgument(std::string("linear: ") + problem);
+  if (strips) all.strip_stride = K * kStrip;
   const int64_t l = wrap_clamp(layer.typed_data()[0], L);
   const Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
   float* out = y->typed_data();
@@ -75,8 +84,13 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   // below this many bytes of weights, waking a helper thread costs more than it saves
   const bool alone = K * N * weights.elem < (int64_t(1) << 19);
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : kNR;
-  const int64_t block = round_up(std::max<int64_t>(unit, (N + 4 * threads - 1) / (4 * threads)), unit);
+  const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : kNR;  // (the first, whole strips for gemv_strips)
+  // blocks per thread: a helper thread that starts late leaves at most one block to the others.
+  // B in strips costs nothing to cut finely, and up to a row block of A (kMC rows) re-reading A for
+  // each block is cheap; else each block's B panels are packed anew, and 4 per thread balance well.
+  const int64_t per_thread = strips && M <= kMC ? 24 : 4;
+  const int64_t block =
+      round_up(std::max<int64_t>(unit, (N + per_thread * threads - 1) / (per_thread * threads)), unit);
   const int64_t blocks = (N + block - 1) / block;
   struct NoState {};
 #if defined(TOKENMILL_AMX)
@@ -143,7 +157,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N]: f32, s8, f8e4m3fn or f8e5m2
+                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N]: f32, s8, f8e4m3fn or f8e5m2; or f32 strips
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K / wsz, N] ([0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]

@@ -5,6 +5,10 @@ scan, handing the kernel one layer's slice would make XLA copy it out of the sta
 Float32 weights, or 8-bit ones (int8, float8 e4m3fn / e5m2) with one scale per window of `wsz` rows
 and column, dequantized inside the kernel as they are packed. `bf16`: x is rounded to bfloat16 first
 (then the products run on AMX tiles where the CPU has them and TOKENMILL_CPU_AMX allows).
+
+Float32 weights multiply fastest in the kernel's own layout, `to_strips(w)`: [L, N / STRIP, K, STRIP],
+strips of STRIP columns each stored K x STRIP, which the GEMM reads in place (no per-call packing)
+and a GEMV streams contiguously. The model converts its projections once at load time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 from tokenmill import envs
 from tokenmill.ops.cpu.build import LINEAR, build_error, load
 
+STRIP = 32  # columns per strip: gemm.h's kStrip
 _F32 = jnp.dtype(jnp.float32)
 _8BIT = {jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)}
 
@@ -35,17 +40,33 @@ def supported_dtypes(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> boo
 
 def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
     """Whether the kernel computes these operands (assumes the platform is CPU)."""
-    return x.ndim == 2 and w.ndim == 3 and supported_dtypes(x, w, scale)
+    in_strips = w.ndim == 4 and w.shape[3] == STRIP and scale is None
+    return x.ndim == 2 and (w.ndim == 3 or in_strips) and supported_dtypes(x, w, scale)
+
+
+def to_strips(w: jax.Array) -> jax.Array:
+    """f32[L, K, N] (N a multiple of STRIP) → the kernel's layout f32[L, N / STRIP, K, STRIP]."""
+    L, K, N = w.shape
+    if N % STRIP:
+        raise ValueError(f"to_strips: N={N} is not a multiple of {STRIP}")
+    return w.reshape(L, K, N // STRIP, STRIP).transpose(0, 2, 1, 3)
+
+
+def strips_matrix(strips: jax.Array) -> jax.Array:
+    """One layer's strips [N / STRIP, K, STRIP] → the matrix [K, N] they hold."""
+    S, K, _ = strips.shape
+    return strips.transpose(1, 0, 2).reshape(K, S * STRIP)
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False) -> jax.Array:
-    """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]) → f32[M, N]; `bf16`:
-    x rounded to bfloat16 first (8-bit w only)."""
+    """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]; or float32 in strips,
+    `to_strips`) → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+    n = w.shape[1] * STRIP if w.ndim == 4 else w.shape[2]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(LINEAR.target, out)(
         x, w, scale, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),
         bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_AMX else int(bf16)),
