@@ -3,7 +3,8 @@
 Shapes are chosen to reach every edge of the kernel's blocking: expert groups larger than a work
 item (128 rows), row counts that are not multiples of the register block, hidden and intermediate
 sizes that are not multiples of a column strip (16 or 32) and reductions longer than one packed
-panel (256), idle experts, one token; and int8 / float8 experts, which it dequantizes as it packs.
+panel (256), idle experts, one token; int8 / float8 experts, which it dequantizes as it packs; and
+float32 experts in the kernel's strips, which it reads in place.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from tests.test_moe import F32_REL, WSZ, assert_close, make_moe, quantized
 from tokenmill.ops.cpu import build
 from tokenmill.ops.cpu import moe as cpu_moe
-from tokenmill.ops.moe import fused_moe, ref_moe
+from tokenmill.ops.moe import fused_moe, kernel_layout, ref_moe
 
 
 def require_kernel() -> None:
@@ -46,6 +47,43 @@ def test_kernel_matches_jnp_tiles(monkeypatch, T, E, D, F, top_k, act_fn, biases
     tiles = fused_with(monkeypatch, "jnp", a, top_k, **options)
     assert_close(kernel, tiles, F32_REL)
     assert_close(kernel, np.asarray(jax.jit(lambda a: ref_moe(**a, top_k=top_k, **options))(a)), F32_REL)
+
+
+def one_device_mesh() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+
+
+@pytest.mark.parametrize("T,E,D,F,top_k,act_fn,biases", [
+    (300, 4, 64, 96, 2, "silu", True),  # two work items per expert
+    (9, 64, 64, 96, 8, "gelu", False),  # groups of one to a few rows: the GEMV on strips
+    (23, 6, 288, 320, 3, "swigluoai", True),  # reductions over 256, N over one 256-column panel
+])
+def test_experts_in_strips_match_row_major(monkeypatch, T, E, D, F, top_k, act_fn, biases):
+    """Float32 experts in the kernel's strips (kernel_layout: what a model on one CPU device stores):
+    the kernel multiplies them in place, the jnp tiles and the expert-parallel path read them back;
+    all agree with the row-major experts."""
+    require_kernel()
+    a = make_moe(50 + T, T=T, E=E, D=D, F=F, biases=biases)
+    strips = dict(a)
+    strips["w1"], strips["w2"] = kernel_layout(a["w1"], a["w2"], one_device_mesh())
+    assert strips["w1"].shape == (E, 2, F // 32, D, 32) and strips["w2"].shape == (E, D // 32, F, 32)
+    options = dict(renormalize_topk_logits=True, act_fn=act_fn)
+    row_major = fused_with(monkeypatch, "cpu_kernel", a, top_k, **options)
+    assert_close(fused_with(monkeypatch, "cpu_kernel", strips, top_k, **options), row_major, F32_REL)
+    assert_close(fused_with(monkeypatch, "jnp", strips, top_k, **options), row_major, F32_REL)
+    assert_close(fused_with(monkeypatch, "cpu_kernel", strips, top_k, **options, mesh=one_device_mesh()),
+                 row_major, F32_REL)
+
+
+def test_only_float32_experts_the_kernel_runs_go_to_strips(monkeypatch):
+    a = make_moe(60, T=5, E=4, D=64, F=96)
+    q = quantized(a, jnp.int8)
+    mesh = one_device_mesh()
+    assert kernel_layout(q["w1"], q["w2"], mesh)[0].shape == q["w1"].shape
+    odd = make_moe(61, T=5, E=4, D=64, F=40)  # F not whole strips
+    assert kernel_layout(odd["w1"], odd["w2"], mesh)[0].shape == odd["w1"].shape
+    monkeypatch.setenv("TOKENMILL_MOE_BACKEND", "jnp")
+    assert kernel_layout(a["w1"], a["w2"], mesh)[0].shape == a["w1"].shape
 
 
 @pytest.mark.parametrize("isa", [("-mavx2", "-mfma"), ()], ids=["avx2", "portable"])

@@ -4,6 +4,9 @@ One MoE layer at Qwen3-30B-A3B's shapes by default (hidden 2048, expert intermed
 experts, top-8, 512 tokens), random seeded weights and gating. Three timings: `fused_moe`,
 `ref_moe`, and "dense": one [T*k, D] x [D, 2F] and one [T*k, F] x [F, D] matmul, i.e. the rows the
 routing produced multiplied as if they all went to one expert, the floor the fused op aims at.
+`fused_moe` gets the experts in the layout a model stores them in on this machine (`ops.moe.
+kernel_layout`, made at load time: the CPU kernel's strips for float32 experts), `ref_moe` as they
+are.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenmill.ops.moe import fused_moe, ref_moe, route
+from tokenmill.distributed.mesh import make_mesh
+from tokenmill.ops.moe import fused_moe, kernel_layout, ref_moe, route
 from tokenmill.ops.quantization import quantize_windows
 
 QUANT_DTYPES = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
@@ -59,11 +63,13 @@ def run(args) -> dict:
         arrays["w2"], arrays["w2_scale"] = quantize(arrays["w2"], QUANT_DTYPES[args.quant], args.wsz, 1)
         options["subc_quant_wsz"] = args.wsz
 
+    stored = dict(arrays)  # as a model on this machine stores its experts
+    stored["w1"], stored["w2"] = kernel_layout(arrays["w1"], arrays["w2"], make_mesh(1))
     fused = jax.jit(lambda a: fused_moe(**a, **options))
     ref = jax.jit(lambda a: ref_moe(**a, **options))
-    fused_times = _timings(fused, (arrays,), args.reps)
+    fused_times = _timings(fused, (stored,), args.reps)
     ref_times = _timings(ref, (arrays,), args.reps)
-    fused_out, ref_out = np.asarray(fused(arrays), np.float32), np.asarray(ref(arrays), np.float32)
+    fused_out, ref_out = np.asarray(fused(stored), np.float32), np.asarray(ref(arrays), np.float32)
     max_rel_diff = float(np.max(np.abs(fused_out - ref_out)) / np.max(np.abs(ref_out)))
 
     _, ids = route(arrays["gating_output"], k, True)
@@ -81,6 +87,7 @@ def run(args) -> dict:
         "bench": "moe",
         "num_tokens": T, "hidden": D, "intermediate": F, "experts": E, "top_k": k,
         "dtype": args.dtype, "quant": args.quant, "wsz": args.wsz if args.quant != "none" else None,
+        "experts_layout": "strips" if stored["w1"].ndim == 5 else "row-major",
         "experts_used": int((group_sizes > 0).sum()),
         "group_size_min": int(group_sizes.min()), "group_size_max": int(group_sizes.max()),
         "flops": flops,
@@ -98,7 +105,7 @@ def run(args) -> dict:
 
     quant = "" if args.quant == "none" else f", {args.quant} experts (window {args.wsz})"
     print(f"MoE layer: {T} tokens, hidden {D}, intermediate {F}, {E} experts, top-{k}, {args.dtype}{quant}; "
-          f"{result['experts_used']} experts used, "
+          f"experts {result['experts_layout']}; {result['experts_used']} experts used, "
           f"groups of {result['group_size_min']}..{result['group_size_max']} rows")
     print(f"{'':18}{'median ms':>11}{'min ms':>9}{'max ms':>9}{'GFLOP/s':>9}   ({flops / 1e9:.1f} GFLOP routed)")
     for name, label in (("fused", "fused_moe"), ("ref", "ref_moe"), ("dense", "dense matmuls")):

@@ -33,6 +33,12 @@ def make_mesh(tensor_parallel_size: int = 1, devices: Sequence[jax.Device] | Non
     return Mesh(np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), MESH_AXES)
 
 
+def is_unsharded(mesh) -> bool:
+    """Whether arrays placed over `mesh` (a Mesh or an abstract mesh; empty: none set) are whole on
+    one device, i.e. a kernel that XLA cannot partition may take them as they are."""
+    return jax.device_count() == 1 if mesh.empty else all(size == 1 for size in mesh.shape.values())
+
+
 def check_model_fits(cfg: ModelConfig, tensor_parallel_size: int, enable_expert_parallel: bool) -> None:
     """Raise ValueError unless every tensor sharded over "model" splits evenly `tensor_parallel_size` ways."""
     tp = tensor_parallel_size

@@ -16,6 +16,7 @@ from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.ops.linear import kernel_layout, linear
 from tokenmill.ops.moe import fused_moe
+from tokenmill.ops.moe import kernel_layout as experts_kernel_layout
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
 
@@ -63,9 +64,12 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def to_kernel_layout(params: dict, mesh) -> dict:
-    """`params` placed on `mesh`, with each float32 projection stack in the layout ops.linear
-    multiplies fastest there (the CPU kernel's strips, made once here rather than on every call)."""
+    """`params` placed on `mesh`, with each float32 projection stack (and the experts of an MoE
+    model) in the layout ops.linear (ops.moe) multiplies fastest there: the CPU kernels' strips,
+    made once here rather than packed on every call."""
     layers = {k: kernel_layout(v, mesh) if k in LINEAR_WEIGHTS else v for k, v in params["layers"].items()}
+    if "w1" in layers:
+        layers["w1"], layers["w2"] = experts_kernel_layout(layers["w1"], layers["w2"], mesh)
     return {**params, "layers": layers}
 
 

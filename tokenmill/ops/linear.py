@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tokenmill import envs
+from tokenmill.distributed.mesh import is_unsharded
 from tokenmill.ops.cpu import linear as cpu_linear
 from tokenmill.ops.quantization import dequantize
 
@@ -36,20 +37,16 @@ def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None
     """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N]); `bf16`: x
     rounded to bfloat16 first."""
     if scale is None:
-        return x @ (cpu_linear.strips_matrix(w[layer]) if w.ndim == 4 else w[layer])
+        return x @ (cpu_linear.from_strips(w[layer]) if w.ndim == 4 else w[layer])
     weights = dequantize(w[layer], scale[layer], wsz, 0, jnp.float32)
     x = to_bf16_values(x) if bf16 else x.astype(jnp.float32)
     return jnp.dot(x, weights, preferred_element_type=jnp.float32)
 
 
-def _unsharded(mesh) -> bool:
-    return jax.device_count() == 1 if mesh.empty else all(size == 1 for size in mesh.shape.values())
-
-
 def kernel_layout(w: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     """The [L, K, N] stack `w` in the layout `linear` multiplies fastest where it runs over `mesh`: the
     CPU kernel's strips for float32 weights where the kernel will compute them, else `w` itself."""
-    if envs.TOKENMILL_LINEAR_BACKEND == "jnp" or jax.default_backend() != "cpu" or not _unsharded(mesh):
+    if envs.TOKENMILL_LINEAR_BACKEND == "jnp" or jax.default_backend() != "cpu" or not is_unsharded(mesh):
         return w
     if w.ndim != 3 or jnp.dtype(w.dtype) != jnp.float32 or w.shape[2] % cpu_linear.STRIP:
         return w
@@ -69,7 +66,7 @@ def _use_cpu_kernel(x, w, scale) -> bool:
             )
         return True
     # one opaque call cannot be partitioned: only where nothing is sharded
-    unsharded = _unsharded(jax.sharding.get_abstract_mesh())
+    unsharded = is_unsharded(jax.sharding.get_abstract_mesh())
     return jax.default_backend() == "cpu" and usable and unsharded and cpu_linear.available()
 
 

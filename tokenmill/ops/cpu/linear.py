@@ -45,17 +45,20 @@ def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
 
 
 def to_strips(w: jax.Array) -> jax.Array:
-    """f32[L, K, N] (N a multiple of STRIP) → the kernel's layout f32[L, N / STRIP, K, STRIP]."""
-    L, K, N = w.shape
+    """Matrices [..., K, N] (N a multiple of STRIP) → the kernels' layout [..., N / STRIP, K, STRIP]
+    (also the MoE kernel's, for its experts)."""
+    *lead, K, N = w.shape
     if N % STRIP:
         raise ValueError(f"to_strips: N={N} is not a multiple of {STRIP}")
-    return w.reshape(L, K, N // STRIP, STRIP).transpose(0, 2, 1, 3)
+    axes = tuple(range(len(lead)))
+    return w.reshape(*lead, K, N // STRIP, STRIP).transpose(*axes, len(lead) + 1, len(lead), len(lead) + 2)
 
 
-def strips_matrix(strips: jax.Array) -> jax.Array:
-    """One layer's strips [N / STRIP, K, STRIP] → the matrix [K, N] they hold."""
-    S, K, _ = strips.shape
-    return strips.transpose(1, 0, 2).reshape(K, S * STRIP)
+def from_strips(strips: jax.Array) -> jax.Array:
+    """Strips [..., N / STRIP, K, STRIP] → the matrices [..., K, N] they hold."""
+    *lead, S, K, _ = strips.shape
+    axes = tuple(range(len(lead)))
+    return strips.transpose(*axes, len(lead) + 1, len(lead), len(lead) + 2).reshape(*lead, K, S * STRIP)
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokenmill.ops.cpu.build import MOE_EXPERTS, build_error, load
-from tokenmill.ops.cpu.linear import supported_dtypes
+from tokenmill.ops.cpu.linear import STRIP, supported_dtypes
 
 # the activation codes of moe_experts.cc
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "swigluoai": 3}
@@ -45,7 +45,8 @@ def moe_experts(
     i32[E + 1] (local expert e owns sorted rows group_begin[e] .. group_begin[e + 1]) → f32[T, D]."""
     if not available():
         raise RuntimeError(f"the CPU MoE kernel is unavailable: {build_error(MOE_EXPERTS)}")
-    num_experts, _, _, inter = w1.shape
+    num_experts = w1.shape[0]
+    inter = w1.shape[2] * STRIP if w1.ndim == 5 else w1.shape[3]
     hidden = tokens.shape[1]
     b1 = jnp.zeros((num_experts, 2, inter), jnp.float32) if b1 is None else b1.astype(jnp.float32)
     b2 = jnp.zeros((num_experts, hidden), jnp.float32) if b2 is None else b2.astype(jnp.float32)

@@ -185,16 +185,26 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
                           ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t act, float alpha, float limit, int64_t wsz) {
   auto xd = x.dimensions();
   auto w1d = w1.dimensions();
-  if (xd.size() != 2 || w1d.size() != 4 || w1d[1] != 2 || w1d[2] != xd[1])
-    return ffi::Error::InvalidArgument("moe_experts: expected x [T, D] and w1 [E, 2, D, F]");
-  Problem pb;
-  pb.T = xd[0], pb.D = xd[1], pb.E = w1d[0], pb.F = w1d[3];
   auto w2d = w2.dimensions();
-  if (w2d.size() != 3 || w2d[0] != pb.E || w2d[1] != pb.F || w2d[2] != pb.D)
-    return ffi::Error::InvalidArgument("moe_experts: w2 must be [E, F, D]");
+  // float32 experts may come in strips (linear.cc's layout): w1 [E, 2, F / 32, D, 32], w2 [E, D / 32, F, 32]
+  const bool strips = w1d.size() == 5;
+  if (xd.size() != 2 || xd[1] != (strips ? w1d[3] : w1d.size() == 4 ? w1d[2] : -1) || w1d[1] != 2 ||
+      (strips && w1d[4] != kStrip))
+    return ffi::Error::InvalidArgument("moe_experts: expected x [T, D] and w1 [E, 2, D, F] or [E, 2, F / 32, D, 32]");
+  Problem pb;
+  pb.T = xd[0], pb.D = xd[1], pb.E = w1d[0], pb.F = strips ? w1d[2] * kStrip : w1d[3];
+  const bool w2_ok = strips ? w2d.size() == 4 && w2d[1] * kStrip == pb.D && w2d[2] == pb.F && w2d[3] == kStrip
+                            : w2d.size() == 3 && w2d[1] == pb.F && w2d[2] == pb.D;
+  if (!w2_ok || w2d[0] != pb.E)
+    return ffi::Error::InvalidArgument("moe_experts: w2 must be [E, F, D], or [E, D / 32, F, 32] with w1 in strips");
   for (const char* problem : {weights_of(w1, w1_scale, wsz, pb.D, pb.F, pb.w1),
                               weights_of(w2, w2_scale, wsz, pb.F, pb.D, pb.w2)})
     if (*problem) return ffi::Error::InvalidArgument(std::string("moe_experts: ") + problem);
+  if (strips) {
+    if (pb.w1.scale != nullptr) return ffi::Error::InvalidArgument("moe_experts: experts in strips are float32");
+    pb.w1.strip_stride = pb.D * kStrip;
+    pb.w2.strip_stride = pb.F * kStrip;
+  }
   if (b1.element_count() != size_t(pb.E * 2 * pb.F) || b2.element_count() != size_t(pb.E * pb.D))
     return ffi::Error::InvalidArgument("moe_experts: b1 must be [E, 2, F] and b2 [E, D]");
   if (sorted_token.element_count() != sorted_weight.element_count() ||
