@@ -368,11 +368,12 @@ constexpr int64_t kMC = 8 * kMR;
 static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
                         int64_t n_begin, int64_t n_end, const Weights* next = nullptr) {
   const int64_t m_pad = round_up(M, kMR);
+  const bool in_place = B.strip_stride != 0;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kNC) {
     const int64_t nc = std::min(kNC, n_end - n0);
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       const int64_t kc = std::min(kKC, K - k0);
-      if (B.strip_stride == 0) pack_b(kc, nc, B, k0, n0, panel);
+      if (!in_place) pack_b(kc, nc, B, k0, n0, panel);
       Prefetch pf;
       if (k0 + kKC < K)
         pf = Prefetch(B, k0 + kKC, n0, std::min(kKC, K - k0 - kKC), nc);
@@ -383,7 +384,6 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
       for (int64_t mc = 0; mc < M; mc += kMC) {
         for (int64_t s = 0; s * kNR < nc; ++s) {
           const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
-          const bool in_place = B.strip_stride != 0;
           const float* strip = in_place ? B.strip_at(k0, n0 + s * kNR) : panel + s * kc * kNR;
           for (int64_t m0 = mc; m0 < std::min(M, mc + kMC); m0 += kMR) {
             const int m = int(std::min<int64_t>(kMR, M - m0));

@@ -84,7 +84,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   // below this many bytes of weights, waking a helper thread costs more than it saves
   const bool alone = K * N * weights.elem < (int64_t(1) << 19);
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : kNR;  // (the first, whole strips for gemv_strips)
+  const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : strips ? kStrip : kNR;  // blocks of whole strips
   // blocks per thread: a helper thread that starts late leaves at most one block to the others.
   // B in strips costs nothing to cut finely, and up to a row block of A (kMC rows) re-reading A for
   // each block is cheap; else each block's B panels are packed anew, and 4 per thread balance well.
