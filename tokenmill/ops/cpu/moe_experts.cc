@@ -13,8 +13,10 @@
 //
 // Work items are (expert, chunk of at most kChunkRows rows). Each runs three small matmuls (gemm.h:
 // packed panels, register blocking, the next panel prefetched; a GEMV for decode-sized groups). Items are spread over XLA's
-// intra-op pool (parallel.h); a token may appear in several experts, so each thread sums into its
-// own output buffer and those are added into `out` at the end.
+// intra-op pool (parallel.h) and write each assignment's expert output to its own row. Then the
+// rows are added into `out` in their sorted order, i.e. each token's experts in ascending order,
+// whichever thread computed them: the result is the same on every call, and a token's result does
+// not depend on the other tokens of the batch (each row's matmuls run the same FMA chain at any M).
 //
 // Built by tokenmill/ops/cpu/build.py; the inner loops use GCC vector extensions, which lower to
 // AVX2/FMA (or AVX-512 where the build enables it) or to portable code.
@@ -122,21 +124,16 @@ struct Problem {
   std::vector<int64_t> item_expert, item_row;  // per work item: its expert and first sorted row
 };
 
-// One thread's working space, and its share of the output (a token may go to experts that
-// different threads compute: the shares are summed at the end).
+// One thread's working space.
 struct Scratch {
-  std::vector<float> x, gate, up, y, out;
+  std::vector<float> x, gate, up;
   GemmBuffers gemm;
   explicit Scratch(const Problem& pb)
-      : x(kChunkRows * pb.D),
-        gate(kChunkRows * pb.F),
-        up(kChunkRows * pb.F),
-        y(kChunkRows * pb.D),
-        out(pb.T * pb.D, 0.f),
-        gemm(kChunkRows, std::max(pb.D, pb.F)) {}
+      : x(kChunkRows * pb.D), gate(kChunkRows * pb.F), up(kChunkRows * pb.F), gemm(kChunkRows, std::max(pb.D, pb.F)) {}
 };
 
-static void run_item(const Problem& pb, int64_t item, Scratch& s) {
+// The expert outputs of one work item's rows, into rows [r0, r0 + n) of `rows` ([A, D])
+static void run_item(const Problem& pb, int64_t item, Scratch& s, float* rows) {
   const int64_t e = pb.item_expert[item], r0 = pb.item_row[item];
   const int64_t n = std::min<int64_t>(kChunkRows, pb.group_begin[e + 1] - r0);
   const int64_t D = pb.D, F = pb.F;
@@ -157,25 +154,40 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s) {
                            : pb.act == kGeluTanh ? gate_rows<kGeluTanh>
                                                  : gate_rows<kSwigluOai>;
   gate_rows_of(n, F, s.gate.data(), s.up.data(), bg, bu, pb.alpha, pb.limit);
-  matmul(n, D, F, s.gate.data(), down, s.y.data(), s.gemm);
-  const float* b2 = pb.b2 + e * D;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t t = pb.sorted_token[r0 + i];
-    if (t < 0 || t >= pb.T) continue;  // not a local assignment
-    const float w = pb.sorted_weight[r0 + i];
-    float* o = s.out.data() + int64_t(t) * D;
-    const float* y = s.y.data() + i * D;
-    for (int64_t d = 0; d < D; ++d) o[d] += w * (y[d] + b2[d]);
+  matmul(n, D, F, s.gate.data(), down, rows + r0 * D, s.gemm);
+}
+
+// out[t] = sum over t's rows r, in sorted order, of weight[r] * (rows[r] + b2[expert of r]), for the
+// columns [d0, d1)
+static void combine(const Problem& pb, const float* rows, float* out, int64_t d0, int64_t d1) {
+  const int64_t D = pb.D;
+  for (int64_t t = 0; t < pb.T; ++t) std::fill(out + t * D + d0, out + t * D + d1, 0.f);
+  for (int64_t e = 0; e < pb.E; ++e) {
+    const float* b2 = pb.b2 + e * D;
+    for (int64_t r = pb.group_begin[e]; r < pb.group_begin[e + 1]; ++r) {
+      const int32_t t = pb.sorted_token[r];
+      if (t < 0 || t >= pb.T) continue;  // not a local assignment
+      const float w = pb.sorted_weight[r];
+      float* o = out + int64_t(t) * D;
+      const float* y = rows + r * D;
+      for (int64_t d = d0; d < d1; ++d) o[d] += w * (y[d] + b2[d]);
+    }
   }
 }
 
 static void run(ffi::ThreadPool& pool, const Problem& pb, float* out) {
-  std::fill(out, out + pb.T * pb.D, 0.f);
-  const auto shares = parallel_for<Scratch>(
+  // every sorted row's expert output, kept across calls (a fresh buffer of this size costs page faults)
+  thread_local std::vector<float> kept_rows;
+  kept_rows.resize(std::max<int64_t>(1, pb.group_begin[pb.E]) * pb.D);
+  float* rows = kept_rows.data();  // (inside the lambdas, kept_rows would be each worker's own)
+  struct NoState {};
+  parallel_for<Scratch>(
       pool, int64_t(pb.item_expert.size()), [&pb] { return std::make_unique<Scratch>(pb); },
-      [&pb](int64_t item, Scratch& s) { run_item(pb, item, s); });
-  for (const auto& share : shares)
-    for (int64_t j = 0; j < pb.T * pb.D; ++j) out[j] += share->out[j];
+      [&pb, rows](int64_t item, Scratch& s) { run_item(pb, item, s, rows); });
+  constexpr int64_t kColumns = 256;  // columns of `out` per combine item
+  parallel_for<NoState>(
+      pool, (pb.D + kColumns - 1) / kColumns, [] { return std::make_unique<NoState>(); },
+      [&pb, rows, out](int64_t i, NoState&) { combine(pb, rows, out, i * kColumns, std::min(pb.D, (i + 1) * kColumns)); });
 }
 
 ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w1, ffi::AnyBuffer w2,
