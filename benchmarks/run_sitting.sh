@@ -24,11 +24,13 @@ for q in int8 w8a16; do  # --quantization: projections and LM head in 8 bits
 done
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
-(cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w2 --reps "$REPS") | result llama-q4_1-w2
-(cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w1 --reps "$REPS") | result llama-q4_1-w1
+# llama.cpp through benchmarks/llama_peer.py: its AMX / repacked buffers off (they crash on Q8_0 / Q4_1)
+llama() { PEERS_SRC="$PEERS" lock "$PEERS_DIR/llama/bin/python" benchmarks/llama_peer.py "$@"; }
+llama --workload w2 --reps "$REPS" | result llama-q4_1-w2
+llama --workload w1 --reps "$REPS" | result llama-q4_1-w1
 for q in Q8_0 F32; do
   g=$(ls "$PEERS_DIR"/*"$q"*.gguf 2>/dev/null | head -1)
-  [ -n "$g" ] && (cd "$PEERS" && lock "$PEERS_DIR/llama/bin/python" bench_llama.py --workload w2 --gguf "$g" --reps "$REPS") | result "llama-$q-w2"
+  [ -n "$g" ] && llama --workload w2 --gguf "$g" --reps "$REPS" | result "llama-$q-w2"
 done
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
 (cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w1 --reps "$REPS") | result vllm-w1
