@@ -62,8 +62,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tokenmill import envs
-from tokenmill.ops.activations import get_activation
 from tokenmill.distributed.mesh import is_unsharded
+from tokenmill.ops.activations import get_activation
 from tokenmill.ops.cpu import linear as cpu_linear
 from tokenmill.ops.cpu import moe as cpu_moe
 from tokenmill.ops.quantization import dequantize as _dequantize
