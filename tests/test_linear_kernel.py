@@ -114,6 +114,24 @@ def test_strips_are_made_only_where_the_kernel_multiplies_them(monkeypatch):
         cpu_linear.to_strips(w[:, :, :48])
 
 
+def test_the_model_frees_each_stack_it_converts():
+    """Loading converts one stack at a time and frees the placed copy at once: memory peaks at one
+    stack above the model, not at twice the model. Stacks left as they are stay usable."""
+    require_kernel()
+    from tokenmill.model import llama
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    layers = {"wq": zeros(2, 8, 64), "wk": zeros(2, 8, 48), "attn_norm": zeros(2, 8),
+              "w1": zeros(2, 4, 2, 64, 96), "w2": zeros(2, 4, 96, 64)}
+    params = {"embed": zeros(16, 8), "layers": layers}
+    out = llama.to_kernel_layout(params, mesh)["layers"]
+    assert out["wq"].shape == (2, 2, 8, 32) and layers["wq"].is_deleted()
+    assert out["w1"].shape == (2, 4, 2, 3, 64, 32) and layers["w1"].is_deleted() and layers["w2"].is_deleted()
+    assert out["wk"] is layers["wk"] and not layers["wk"].is_deleted()  # 48 columns: not whole strips
+    assert out["attn_norm"] is layers["attn_norm"]
+
+
 @pytest.mark.parametrize("layer", [-1, 7, -9])
 def test_layer_index_wraps_then_clamps_like_jnp(monkeypatch, layer):
     require_kernel()

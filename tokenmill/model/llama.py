@@ -15,8 +15,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.ops.linear import kernel_layout, linear
-from tokenmill.ops.moe import fused_moe
-from tokenmill.ops.moe import kernel_layout as experts_kernel_layout
+from tokenmill.ops.cpu.linear import to_strips
+from tokenmill.ops.moe import fused_moe, strips_suit
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
 
@@ -66,11 +66,24 @@ def param_specs(cfg: ModelConfig) -> dict:
 def to_kernel_layout(params: dict, mesh) -> dict:
     """`params` placed on `mesh`, with each float32 projection stack (and the experts of an MoE
     model) in the layout ops.linear (ops.moe) multiplies fastest there: the CPU kernels' strips,
-    made once here rather than packed on every call."""
-    layers = {k: kernel_layout(v, mesh) if k in LINEAR_WEIGHTS else v for k, v in params["layers"].items()}
-    if "w1" in layers:
-        layers["w1"], layers["w2"] = experts_kernel_layout(layers["w1"], layers["w2"], mesh)
+    made once here rather than packed on every call. Consumes `params`: each array it converts is
+    freed as soon as its new copy exists, so loading peaks at one stack above the model's size."""
+    layers = dict(params["layers"])
+    for key in LINEAR_WEIGHTS:
+        if key in layers:
+            layers[key] = _replaced(layers[key], lambda w: kernel_layout(w, mesh))
+    if "w1" in layers and strips_suit(layers["w1"], layers["w2"], mesh):
+        for key in ("w1", "w2"):
+            layers[key] = _replaced(layers[key], jax.jit(to_strips))
     return {**params, "layers": layers}
+
+
+def _replaced(array: jax.Array, convert) -> jax.Array:
+    """convert(array), the input deleted if a new array came back."""
+    converted = convert(array)
+    if converted is not array:
+        array.delete()
+    return converted
 
 
 def projections(cfg: ModelConfig, stacked: dict, layer):

@@ -377,16 +377,22 @@ def _grouped_moe(
     return out
 
 
-def kernel_layout(w1: jax.Array, w2: jax.Array, mesh: jax.sharding.Mesh) -> tuple[jax.Array, jax.Array]:
-    """Experts w1 [..., E, 2, D, F] and w2 [..., E, F, D] (leading axes: a model's layers) in the
-    layout `fused_moe` computes fastest with over `mesh`: the CPU kernel's strips for float32 experts
-    where the kernel will multiply them, else as they are."""
+def strips_suit(w1: jax.Array, w2: jax.Array, mesh: jax.sharding.Mesh) -> bool:
+    """Whether experts w1 [..., E, 2, D, F] and w2 [..., E, F, D] (leading axes: a model's layers)
+    compute fastest in the CPU kernel's strips over `mesh`: float32 experts where the kernel will
+    multiply them."""
     if envs.TOKENMILL_MOE_BACKEND == "jnp" or jax.default_backend() != "cpu" or not is_unsharded(mesh):
-        return w1, w2
+        return False
     float32 = all(jnp.dtype(w.dtype) == jnp.float32 for w in (w1, w2))
     if not float32 or w1.shape[-1] % cpu_linear.STRIP or w2.shape[-1] % cpu_linear.STRIP:
-        return w1, w2
-    if not cpu_moe.available():
+        return False
+    return cpu_moe.available()
+
+
+def kernel_layout(w1: jax.Array, w2: jax.Array, mesh: jax.sharding.Mesh) -> tuple[jax.Array, jax.Array]:
+    """The experts in the layout `fused_moe` computes fastest with over `mesh`: the CPU kernel's
+    strips where `strips_suit`, else as they are."""
+    if not strips_suit(w1, w2, mesh):
         return w1, w2
     return jax.jit(cpu_linear.to_strips)(w1), jax.jit(cpu_linear.to_strips)(w2)
 
