@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
-from tokenmill.ops.linear import kernel_layout, linear
 from tokenmill.ops.cpu.linear import to_strips
+from tokenmill.ops.linear import kernel_layout, linear
 from tokenmill.ops.moe import fused_moe, strips_suit
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor

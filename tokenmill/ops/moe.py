@@ -397,10 +397,6 @@ def kernel_layout(w1: jax.Array, w2: jax.Array, mesh: jax.sharding.Mesh) -> tupl
     return jax.jit(cpu_linear.to_strips)(w1), jax.jit(cpu_linear.to_strips)(w2)
 
 
-def _in_strips(w1: jax.Array) -> bool:
-    return w1.ndim == 5
-
-
 def fused_moe(
     tokens: jax.Array,
     w1: jax.Array,
@@ -420,13 +416,12 @@ def fused_moe(
     swiglu_limit: float = 7.0,
 ) -> jax.Array:
     """tokens [T, D] → [T, D] in tokens' dtype; see the module docstring for the semantics."""
-    if _in_strips(w1):  # the CPU kernel's layout (kernel_layout): read in place by that kernel only
-        row_major = jax.eval_shape(lambda a, b: (cpu_linear.from_strips(a), cpu_linear.from_strips(b)), w1, w2)
-        _validate(tokens, *row_major, gating_output, top_k, act_fn, b1, b2, w1_scale, w2_scale, subc_quant_wsz, mesh)
-        if mesh is not None or not _use_cpu_kernel(tokens, w1, w2, w1_scale, in_shard_map=False):
-            w1, w2 = cpu_linear.from_strips(w1), cpu_linear.from_strips(w2)
-    else:
-        _validate(tokens, w1, w2, gating_output, top_k, act_fn, b1, b2, w1_scale, w2_scale, subc_quant_wsz, mesh)
+    in_strips = w1.ndim == 5  # the CPU kernel's layout (kernel_layout): read in place by that kernel only
+    row_major = (jax.eval_shape(lambda a, b: (cpu_linear.from_strips(a), cpu_linear.from_strips(b)), w1, w2)
+                 if in_strips else (w1, w2))
+    _validate(tokens, *row_major, gating_output, top_k, act_fn, b1, b2, w1_scale, w2_scale, subc_quant_wsz, mesh)
+    if in_strips and (mesh is not None or not _use_cpu_kernel(tokens, w1, w2, w1_scale, in_shard_map=False)):
+        w1, w2 = cpu_linear.from_strips(w1), cpu_linear.from_strips(w2)
     weights, ids = route(gating_output, top_k, renormalize_topk_logits)
     compute = dict(wsz=subc_quant_wsz, act_fn=act_fn, alpha=swiglu_alpha, limit=swiglu_limit)
     if mesh is None:
