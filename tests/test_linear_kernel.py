@@ -2,8 +2,9 @@
 
 Row counts on both sides of the GEMV / packed-GEMM switch (4 rows) and past a row block, column
 counts that are not multiples of a pass (64 / 32 columns), reductions longer than a packed panel,
-negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 weights row-major and in
-the kernel's strips, 8-bit weights, and x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and on the float32 path.
+negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights row-major
+and in the kernel's strips, and x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and
+on the float32 path.
 """
 
 from __future__ import annotations
@@ -85,19 +86,24 @@ def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
 @pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)
-def test_strips_multiply_like_the_row_major_stack(monkeypatch, M, N):
-    """Float32 weights in the kernel's strips (read in place by the GEMM, streamed by the GEMV) give
-    bit for bit what the same weights give row-major, where the kernel packs them on every call:
-    the same FMA chain per output. The jnp reference reads strips too."""
+@pytest.mark.parametrize("dtype,bf16,amx", [(jnp.float32, False, "0"), (jnp.int8, False, "0"),
+                                            (jnp.float8_e4m3fn, False, "0"), (jnp.int8, True, "1")])
+def test_strips_multiply_like_the_row_major_stack(monkeypatch, M, N, dtype, bf16, amx):
+    """Weights in the kernel's strips (float32 read in place by the GEMM; 8-bit decoded from them by
+    the GEMM's packing and by AMX's; streamed by the GEMV, two strips at a time for 8-bit) give bit
+    for bit what the same weights give row-major: the same arithmetic per output. The jnp reference
+    reads strips too."""
     require_kernel()
-    w, _ = stack(M + N, 3, 300, N, jnp.float32, None)
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+    K, wsz = 320, 64 if dtype != jnp.float32 else None
+    w, scale = stack(M + N, 3, K, N, dtype, wsz)
     strips = jax.jit(cpu_linear.to_strips)(w)
-    assert strips.shape == (3, N // cpu_linear.STRIP, 300, cpu_linear.STRIP)
-    x = jnp.asarray(np.random.default_rng(300 + M).standard_normal((M, 300)), jnp.float32)
-    kernel, ref = both(monkeypatch, x, strips, 2, None, None)
-    row_major, _ = both(monkeypatch, x, w, 2, None, None)
+    assert strips.shape == (3, N // cpu_linear.STRIP, K, cpu_linear.STRIP)
+    x = jnp.asarray(np.random.default_rng(300 + M).standard_normal((M, K)), jnp.float32)
+    kernel, ref = both(monkeypatch, x, strips, 2, scale, wsz, bf16)
+    row_major, row_major_ref = both(monkeypatch, x, w, 2, scale, wsz, bf16)
     np.testing.assert_array_equal(kernel, row_major)
-    np.testing.assert_array_equal(ref, np.asarray(linear_ref(x, w, 2)))
+    np.testing.assert_array_equal(ref, row_major_ref)
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
 
 
@@ -107,6 +113,7 @@ def test_strips_are_made_only_where_the_kernel_multiplies_them(monkeypatch):
     w = jnp.zeros((2, 8, 64), jnp.float32)
     assert kernel_layout(w, mesh).shape == (2, 2, 8, 32)
     assert kernel_layout(w[:, :, :48], mesh).shape == (2, 8, 48)  # not whole strips
+    assert kernel_layout(w.astype(jnp.int8), mesh).shape == (2, 2, 8, 32)
     assert kernel_layout(w.astype(jnp.bfloat16), mesh).dtype == jnp.bfloat16
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "jnp")
     assert kernel_layout(w, mesh).shape == (2, 8, 64)
@@ -124,8 +131,11 @@ def test_the_model_frees_each_stack_it_converts():
     zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
     layers = {"wq": zeros(2, 8, 64), "wk": zeros(2, 8, 48), "attn_norm": zeros(2, 8),
               "w1": zeros(2, 4, 2, 64, 96), "w2": zeros(2, 4, 96, 64)}
-    params = {"embed": zeros(16, 8), "layers": layers}
-    out = llama.to_kernel_layout(params, mesh)["layers"]
+    head = jnp.zeros((1, 8, 64), jnp.int8)
+    params = {"embed": zeros(16, 8), "layers": layers, "lm_head_q": head, "lm_head_q_scale": zeros(1, 1, 64)}
+    converted = llama.to_kernel_layout(params, mesh)
+    out = converted["layers"]
+    assert converted["lm_head_q"].shape == (1, 2, 8, 32) and head.is_deleted()
     assert out["wq"].shape == (2, 2, 8, 32) and layers["wq"].is_deleted()
     assert out["w1"].shape == (2, 4, 2, 3, 64, 32) and layers["w1"].is_deleted() and layers["w2"].is_deleted()
     assert out["wk"] is layers["wk"] and not layers["wk"].is_deleted()  # 48 columns: not whole strips

@@ -15,7 +15,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.ops.cpu.linear import to_strips
-from tokenmill.ops.linear import kernel_layout, linear
+from tokenmill.ops.linear import in_features, kernel_layout, linear
 from tokenmill.ops.moe import fused_moe, strips_suit
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
@@ -64,10 +64,11 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def to_kernel_layout(params: dict, mesh) -> dict:
-    """`params` placed on `mesh`, with each float32 projection stack (and the experts of an MoE
-    model) in the layout ops.linear (ops.moe) multiplies fastest there: the CPU kernels' strips,
-    made once here rather than packed on every call. Consumes `params`: each array it converts is
-    freed as soon as its new copy exists, so loading peaks at one stack above the model's size."""
+    """`params` placed on `mesh`, with each projection stack and a quantized LM head (and the float32
+    experts of an MoE model) in the layout ops.linear (ops.moe) multiplies fastest there: the CPU
+    kernels' strips, made once here rather than packed or strided through on every call. Consumes
+    `params`: each array it converts is freed as soon as its new copy exists, so loading peaks at
+    one stack above the model's size."""
     layers = dict(params["layers"])
     for key in LINEAR_WEIGHTS:
         if key in layers:
@@ -75,7 +76,10 @@ def to_kernel_layout(params: dict, mesh) -> dict:
     if "w1" in layers and strips_suit(layers["w1"], layers["w2"], mesh):
         for key in ("w1", "w2"):
             layers[key] = _replaced(layers[key], jax.jit(to_strips))
-    return {**params, "layers": layers}
+    params = {**params, "layers": layers}
+    if "lm_head_q" in params:  # a quantized LM head: a stack of one
+        params["lm_head_q"] = _replaced(params["lm_head_q"], lambda w: kernel_layout(w, mesh))
+    return params
 
 
 def _replaced(array: jax.Array, convert) -> jax.Array:
@@ -92,7 +96,7 @@ def projections(cfg: ModelConfig, stacked: dict, layer):
 
     def project(name: str, x: jax.Array) -> jax.Array:
         weights, scale = stacked[name], stacked.get(name + "_scale")
-        wsz = (cfg.quant_window or weights.shape[1]) if scale is not None else None
+        wsz = (cfg.quant_window or in_features(weights)) if scale is not None else None
         return linear(x, weights, layer, scale, wsz, bf16=cfg.quantization == "w8a16").astype(x.dtype)
 
     return project
@@ -191,7 +195,7 @@ def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Arr
     """hidden [N, D] → float32 logits [N, V]."""
     if cfg.quantization:
         head = params["lm_head_q"]
-        return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or head.shape[1],
+        return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or in_features(head),
                       bf16=cfg.quantization == "w8a16")
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)

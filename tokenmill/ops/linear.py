@@ -6,9 +6,10 @@ column (`ops.quantization`). On CPU the C++ kernel (ops/cpu/linear.cc) computes 
 layer in place and dequantizing as it goes (TOKENMILL_LINEAR_BACKEND); `linear_ref`, the jnp
 reference, slices the layer, dequantizes it whole and lets XLA multiply.
 
-Float32 stacks may also be in the CPU kernel's strips ([L, N / 32, K, 32], `ops.cpu.linear.to_strips`),
-which it multiplies without repacking them on every call; `kernel_layout` converts a model's stack
-at load time where the kernel will run.
+Stacks may also be in the CPU kernel's strips ([L, N / 32, K, 32], `ops.cpu.linear.to_strips`; the
+scales of 8-bit ones stay as they are), which it multiplies without repacking float32 ones on every
+call and streams contiguously when decoding; `kernel_layout` converts a model's stack at load time
+where the kernel will run.
 
 `bf16=True` (`--quantization w8a16`) rounds x to bfloat16 before it meets the 8-bit weights: an
 8-bit code is exactly a bfloat16, so the kernel multiplies on AMX tiles where the CPU has them
@@ -36,19 +37,26 @@ def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None
                bf16: bool = False) -> jax.Array:
     """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N]); `bf16`: x
     rounded to bfloat16 first."""
+    stored = cpu_linear.from_strips(w[layer]) if w.ndim == 4 else w[layer]
     if scale is None:
-        return x @ (cpu_linear.from_strips(w[layer]) if w.ndim == 4 else w[layer])
-    weights = dequantize(w[layer], scale[layer], wsz, 0, jnp.float32)
+        return x @ stored
+    weights = dequantize(stored, scale[layer], wsz, 0, jnp.float32)
     x = to_bf16_values(x) if bf16 else x.astype(jnp.float32)
     return jnp.dot(x, weights, preferred_element_type=jnp.float32)
 
 
+def in_features(w: jax.Array) -> int:
+    """K, the reduction axis of the stack `w` ([L, K, N] or its strips)."""
+    return w.shape[2] if w.ndim == 4 else w.shape[1]
+
+
 def kernel_layout(w: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     """The [L, K, N] stack `w` in the layout `linear` multiplies fastest where it runs over `mesh`: the
-    CPU kernel's strips for float32 weights where the kernel will compute them, else `w` itself."""
+    CPU kernel's strips (float32 or 8-bit weights; scales unchanged) where the kernel will compute
+    them, else `w` itself."""
     if envs.TOKENMILL_LINEAR_BACKEND == "jnp" or jax.default_backend() != "cpu" or not is_unsharded(mesh):
         return w
-    if w.ndim != 3 or jnp.dtype(w.dtype) != jnp.float32 or w.shape[2] % cpu_linear.STRIP:
+    if w.ndim != 3 or jnp.dtype(w.dtype) not in cpu_linear.KERNEL_DTYPES or w.shape[2] % cpu_linear.STRIP:
         return w
     return jax.jit(cpu_linear.to_strips)(w) if cpu_linear.available() else w
 
@@ -72,7 +80,7 @@ def _use_cpu_kernel(x, w, scale) -> bool:
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False) -> jax.Array:
-    """x [M, K], w [L, K, N] (scale [L, K / wsz, N] for 8-bit w; or float32 strips [L, N / 32, K, 32])
+    """x [M, K], w [L, K, N] or its strips [L, N / 32, K, 32] (scale [L, K / wsz, N] for 8-bit w)
     → [M, N] = x . w[layer] (float32 on the kernel and for 8-bit w, else x's dtype); `bf16`: x rounded
     to bfloat16 first (8-bit w only)."""
     if bf16 and scale is None:

@@ -84,7 +84,7 @@ static void pack_a_bf16(int64_t M, int64_t K, const float* A, uint16_t* PA, int6
 
 // Columns [n, n + cols) of row k of B's 8-bit codes, unscaled, as float32 (zero past cols)
 TM_INLINE __m512 codes_row(const Weights& B, int64_t k, int64_t n, int cols) {
-  const char* row = B.data + k * B.N + n;
+  const char* row = B.address(k, n);  // (in strips too, as n starts a tile of a strip's columns)
   if (B.is_int8 && cols == kTileCols) return (__m512)int8_to_float(row);
   alignas(64) float values[kTileCols] = {};
   for (int j = 0; j < cols; ++j)
@@ -102,12 +102,13 @@ static void pack_strips_bf16(const Weights& B, int64_t K, int64_t k_pad, int64_t
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
   const int64_t count = (n1 - n0 + kTileCols - 1) / kTileCols;
-  // B's rows are N bytes apart: fetch the block's bytes of the rows kPrefetchRows ahead, which the
-  // hardware prefetcher does not see coming
+  // B's rows are N bytes apart (in strips, kStrip bytes of each strip's): fetch the block's bytes of
+  // the rows kPrefetchRows ahead, which the hardware prefetcher does not see coming
   constexpr int64_t kPrefetchRows = 16;
+  const int64_t run = B.strip_stride == 0 ? 64 : kStrip;  // columns whose bytes of a row are contiguous
   for (int64_t k = 0; k < k_pad; k += 2) {
     for (int64_t ahead = k + kPrefetchRows; ahead < std::min(K, k + kPrefetchRows + 2); ++ahead)
-      for (int64_t line = 0; line < n1 - n0; line += 64) __builtin_prefetch(B.data + ahead * B.N + n0 + line, 0, 3);
+      for (int64_t n = n0; n < n1; n += run) __builtin_prefetch(B.address(ahead, n), 0, 3);
     uint16_t* out = strips + (k / 2) * kStripValues;
     for (int64_t s = 0; s < count; ++s) {
       const int64_t n = n0 + s * kTileCols;

@@ -40,8 +40,9 @@ constexpr int kNR = kNV * kVW;
 constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
 constexpr int64_t kKC = 256;  // rows of B per packed panel
 constexpr int64_t kNC = 256;  // columns of B per packed panel (kKC x kNC floats: 256 KiB, L2-sized)
-// Float32 weights may also be stored packed (linear.cc's "strips" layout, made at load time):
-// strips of kStrip columns, each K x kStrip contiguous, so the micro-kernel reads them in place.
+// Weights may also be stored in strips (linear.cc's layout, made at load time): strips of kStrip
+// columns, each K x kStrip contiguous, so that the micro-kernel reads float32 ones in place and a
+// GEMV streams each strip instead of striding across the rows of B.
 constexpr int64_t kStrip = 32;
 static_assert(kStrip % kNR == 0, "a stored strip holds whole micro-kernel strips");
 
@@ -77,8 +78,9 @@ static std::array<float, 256> float8_table(int mantissa_bits, int bias, bool iee
 static const std::array<float, 256> kE4M3 = float8_table(3, 7, false);
 static const std::array<float, 256> kE5M2 = float8_table(2, 15, true);
 
-// A weight matrix B[K, N], row-major: float32, or 8-bit codes (int8, or float8 decoded through
-// `table`) with one float32 scale per window of `wsz` rows and column (scale [K / wsz, N]).
+// A weight matrix B[K, N], row-major or in strips: float32, or 8-bit codes (int8, or float8 decoded
+// through `table`) with one float32 scale per window of `wsz` rows and column (scale [K / wsz, N],
+// row-major either way).
 struct Weights {
   const char* data = nullptr;
   int64_t N = 0;
@@ -87,14 +89,18 @@ struct Weights {
   bool is_int8 = false;
   const float* scale = nullptr;  // nullptr: float32 values
   int64_t wsz = 0;
-  // float32 only: 0 for row-major B, else B is stored in strips of kStrip columns, each K x kStrip
-  // k-major, and this is the number of values from one strip to the next (K * kStrip)
+  // 0 for row-major B, else B is stored in strips of kStrip columns, each K x kStrip k-major, and
+  // this is the number of values from one strip to the next (K * kStrip)
   int64_t strip_stride = 0;
 
-  // float32 weights stored in strips: where column n's strip holds row k
-  const float* strip_at(int64_t k, int64_t n) const {
-    return reinterpret_cast<const float*>(data) + (n / kStrip) * strip_stride + k * kStrip + n % kStrip;
+  // where B[k, n] lies (in strips, the kStrip - n % kStrip values from there on are its row's)
+  const char* address(int64_t k, int64_t n) const {
+    const int64_t index = strip_stride == 0 ? k * N + n : (n / kStrip) * strip_stride + k * kStrip + n % kStrip;
+    return data + index * elem;
   }
+
+  // float32 weights stored in strips: where column n's strip holds row k
+  const float* strip_at(int64_t k, int64_t n) const { return reinterpret_cast<const float*>(address(k, n)); }
 
   // the sub-matrix that starts `values` values and `scales` scales further on (another expert's)
   Weights at(int64_t values, int64_t scales) const {
@@ -124,9 +130,9 @@ struct Prefetch {
       row_lines = (cols * B.elem + 63) / 64;
       rows_left = rows;
     } else {
-      row = reinterpret_cast<const char*>(B.strip_at(k0, n0));
-      stride = B.strip_stride * 4;
-      row_lines = (rows * kStrip * 4 + 63) / 64;
+      row = B.address(k0, n0);
+      stride = B.strip_stride * B.elem;
+      row_lines = (rows * kStrip * B.elem + 63) / 64;
       rows_left = (cols + kStrip - 1) / kStrip;
     }
   }
@@ -233,21 +239,21 @@ TM_INLINE vf int8_to_float(const char* p) {
 static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t n0, float* PB) {
   const int64_t strips = (nc + kNR - 1) / kNR;
   for (int64_t k = 0; k < kc; ++k) {
-    const char* row = B.data + ((k0 + k) * B.N + n0) * B.elem;
     const float* scale = B.scale == nullptr ? nullptr : B.scale + ((k0 + k) / B.wsz) * B.N + n0;
     for (int64_t s = 0; s < strips; ++s) {
       float* dst = PB + (s * kc + k) * kNR;
       const int64_t first = s * kNR, n = std::min<int64_t>(kNR, nc - first);
+      const char* row = B.address(k0 + k, n0 + first);  // n values on (in strips, n0 starts a strip)
       if (scale == nullptr) {
-        std::memcpy(dst, row + first * 4, n * sizeof(float));
+        std::memcpy(dst, row, n * sizeof(float));
       } else if (B.is_int8 && n == kNR) {
         for (int v = 0; v < kNV; ++v)
-          storev(dst + v * kVW, int8_to_float(row + first + v * kVW) * loadv(scale + first + v * kVW));
+          storev(dst + v * kVW, int8_to_float(row + v * kVW) * loadv(scale + first + v * kVW));
       } else if (B.is_int8) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(row) + first;
+        const int8_t* q = reinterpret_cast<const int8_t*>(row);
         for (int64_t j = 0; j < n; ++j) dst[j] = float(q[j]) * scale[first + j];
       } else {
-        const uint8_t* q = reinterpret_cast<const uint8_t*>(row) + first;
+        const uint8_t* q = reinterpret_cast<const uint8_t*>(row);
         for (int64_t j = 0; j < n; ++j) dst[j] = B.table[q[j]] * scale[first + j];
       }
       if (n < kNR) std::memset(dst + n, 0, (kNR - n) * sizeof(float));
@@ -269,39 +275,49 @@ constexpr int kGemvVectors = 4;  // columns per pass: kGemvVectors vectors of ea
 static_assert(kGemvVectors * kVW % kStrip == 0, "a GEMV's blocks of columns are whole strips");
 
 
-// One vector of row k of B from column n on, as float32; `scale` points at the scales of row k's
-// window (unused for float32 weights). Scaled value by value, as pack_b does: the GEMV and the GEMM
-// then run the same chain of FMAs for every output, so a row's result does not depend on how many
-// rows share the call (batch invariance).
-TM_INLINE vf load_weights(const Weights& B, int64_t k, int64_t n, const float* scale) {
-  const char* row = B.data + (k * B.N + n) * B.elem;
-  if (B.scale == nullptr) return loadv(reinterpret_cast<const float*>(row));
-  if (B.is_int8) return int8_to_float(row) * loadv(scale + n);
-  float decoded[kVW];
-  for (int j = 0; j < kVW; ++j) decoded[j] = B.table[static_cast<uint8_t>(row[j])];
-  return loadv(decoded) * loadv(scale + n);
+// What B's values are, as a template argument: the GEMVs' inner loops then hold no branch on it
+// (a run-time test there kept the compiler from keeping the decoded weights in registers).
+enum class Kind { kFloat32, kInt8, kFloat8 };
+
+// The kVW values of B at `p` as float32, scaled by the kVW scales at `scale` (unused for float32
+// weights). Scaled value by value, as pack_b does: the GEMV and the GEMM then run the same chain of
+// FMAs for every output, so a row's result does not depend on how many rows share the call (batch
+// invariance).
+template <Kind kind>
+TM_INLINE vf decode(const Weights& B, const char* p, const float* scale) {
+  if constexpr (kind == Kind::kFloat32) {
+    return loadv(reinterpret_cast<const float*>(p));
+  } else if constexpr (kind == Kind::kInt8) {
+    return int8_to_float(p) * loadv(scale);
+  } else {
+    float decoded[kVW];
+    for (int j = 0; j < kVW; ++j) decoded[j] = B.table[static_cast<uint8_t>(p[j])];
+    return loadv(decoded) * loadv(scale);
+  }
 }
 
 TM_INLINE float load_weight(const Weights& B, int64_t k, int64_t n) {
-  const char* at = B.data + (k * B.N + n) * B.elem;
+  const char* at = B.address(k, n);
   if (B.scale == nullptr) return *reinterpret_cast<const float*>(at);
   const float scale = B.scale[(k / B.wsz) * B.N + n];
   return (B.is_int8 ? float(*reinterpret_cast<const int8_t*>(at)) : B.table[static_cast<uint8_t>(*at)]) * scale;
 }
 
-template <int M>
+// gemv for row-major B
+template <int M, Kind kind>
 static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
   constexpr int64_t cols = kGemvVectors * kVW;
+  const int64_t window = kind == Kind::kFloat32 ? K : B.wsz;
   int64_t n = n0;
   for (; n + cols <= n1; n += cols) {
     vf acc[M][kGemvVectors] = {};
-    const int64_t window = B.scale == nullptr ? K : B.wsz;
     for (int64_t k0 = 0; k0 < K; k0 += window) {
-      const float* scale = B.scale == nullptr ? nullptr : B.scale + (k0 / window) * B.N;
+      const float* scale = kind == Kind::kFloat32 ? nullptr : B.scale + (k0 / window) * B.N + n;
       for (int64_t k = k0; k < k0 + window; ++k) {
-        __builtin_prefetch(B.data + ((k + 16) * B.N + n) * B.elem, 0, 3);
+        const char* row = B.address(k, n);
+        __builtin_prefetch(row + 16 * B.N * B.elem, 0, 3);
         vf b[kGemvVectors];
-        for (int j = 0; j < kGemvVectors; ++j) b[j] = load_weights(B, k, n + j * kVW, scale);
+        for (int j = 0; j < kGemvVectors; ++j) b[j] = decode<kind>(B, row + j * kVW * B.elem, scale + j * kVW);
         for (int m = 0; m < M; ++m) {
           const vf a = splat(x[m * K + k]);
           for (int j = 0; j < kGemvVectors; ++j) acc[m][j] += a * b[j];
@@ -319,42 +335,68 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
     }
 }
 
-// gemv for float32 B stored in strips (n0, n1 whole strips): each strip is one contiguous stream
-template <int M>
+// gemv for B stored in strips (n0, n1 whole strips): each strip is one contiguous stream. S strips
+// at a time: each output is one chain of dependent FMAs (in k order, as in the GEMM), so the chains
+// of several strips keep the FMA units busy where one strip's row is few bytes (8-bit weights).
+template <int M, int S, Kind kind>
 static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
   constexpr int kV = kStrip / kVW;
-  for (int64_t n = n0; n < n1; n += kStrip) {
-    const float* strip = B.strip_at(0, n);
-    vf acc[M][kV] = {};
-    for (int64_t k = 0; k < K; ++k) {
-      __builtin_prefetch(strip + (k + 16) * kStrip, 0, 3);
-      __builtin_prefetch(strip + (k + 16) * kStrip + 16, 0, 3);
-      vf b[kV];
-      for (int j = 0; j < kV; ++j) b[j] = loadv(strip + k * kStrip + j * kVW);
-      for (int m = 0; m < M; ++m) {
-        const vf a = splat(x[m * K + k]);
-        for (int j = 0; j < kV; ++j) acc[m][j] += a * b[j];
+  constexpr int64_t elem = kind == Kind::kFloat32 ? 4 : 1;
+  constexpr int64_t row_bytes = kStrip * elem;
+  const int64_t window = kind == Kind::kFloat32 ? K : B.wsz;
+  int64_t n = n0;
+  for (; n + S * kStrip <= n1; n += S * kStrip) {
+    const char* strip[S];
+    for (int s = 0; s < S; ++s) strip[s] = B.address(0, n + s * kStrip);
+    vf acc[M][S][kV] = {};
+    for (int64_t k0 = 0; k0 < K; k0 += window) {
+      const float* scale = kind == Kind::kFloat32 ? nullptr : B.scale + (k0 / window) * B.N + n;
+      for (int64_t k = k0; k < k0 + window; ++k) {
+        for (int s = 0; s < S; ++s)
+          for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(strip[s] + (k + 16) * row_bytes + line, 0, 3);
+        vf b[S][kV];
+        for (int s = 0; s < S; ++s)
+          for (int j = 0; j < kV; ++j)
+            b[s][j] = decode<kind>(B, strip[s] + k * row_bytes + j * kVW * elem, scale + s * kStrip + j * kVW);
+        for (int m = 0; m < M; ++m) {
+          const vf a = splat(x[m * K + k]);
+          for (int s = 0; s < S; ++s)
+            for (int j = 0; j < kV; ++j) acc[m][s][j] += a * b[s][j];
+        }
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kV; ++j) storev(y + m * B.N + n + j * kVW, acc[m][j]);
+      for (int s = 0; s < S; ++s)
+        for (int j = 0; j < kV; ++j) storev(y + m * B.N + n + s * kStrip + j * kVW, acc[m][s][j]);
   }
+  if (n < n1) gemv_strips<M, 1, kind>(K, x, B, y, n, n1);
+}
+
+template <int M, Kind kind>
+static void gemv_of(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
+  // a float32 strip's row is enough bytes to keep the FMA units busy alone; 8-bit ones go two by two
+  if (B.strip_stride != 0)
+    gemv_strips<M, kind == Kind::kFloat32 ? 1 : 2, kind>(K, x, B, y, n0, n1);
+  else
+    gemv<M, kind>(K, x, B, y, n0, n1);
+}
+
+template <int M>
+static void gemv_of(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
+  if (B.scale == nullptr)
+    gemv_of<M, Kind::kFloat32>(K, x, B, y, n0, n1);
+  else if (B.is_int8)
+    gemv_of<M, Kind::kInt8>(K, x, B, y, n0, n1);
+  else
+    gemv_of<M, Kind::kFloat8>(K, x, B, y, n0, n1);
 }
 
 static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
-  if (B.strip_stride != 0) {
-    switch (M) {
-      case 1: return gemv_strips<1>(K, x, B, y, n0, n1);
-      case 2: return gemv_strips<2>(K, x, B, y, n0, n1);
-      case 3: return gemv_strips<3>(K, x, B, y, n0, n1);
-      default: return gemv_strips<4>(K, x, B, y, n0, n1);
-    }
-  }
   switch (M) {
-    case 1: return gemv<1>(K, x, B, y, n0, n1);
-    case 2: return gemv<2>(K, x, B, y, n0, n1);
-    case 3: return gemv<3>(K, x, B, y, n0, n1);
-    default: return gemv<4>(K, x, B, y, n0, n1);
+    case 1: return gemv_of<1>(K, x, B, y, n0, n1);
+    case 2: return gemv_of<2>(K, x, B, y, n0, n1);
+    case 3: return gemv_of<3>(K, x, B, y, n0, n1);
+    default: return gemv_of<4>(K, x, B, y, n0, n1);
   }
 }
 
@@ -362,13 +404,13 @@ static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, fl
 constexpr int64_t kMC = 8 * kMR;
 
 // C[:, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N columns);
-// `panel` holds one packed panel of B (B stored in strips is read in place; n_begin, n_end whole
-// strips). `next`, when given, is the B of the GEMM that follows: its first panel is prefetched
+// `panel` holds one packed panel of B (float32 B stored in strips is read in place; in strips,
+// n_begin and n_end are whole strips). `next`, when given, is the B of the GEMM that follows: its first panel is prefetched
 // during the last panel of this one.
 static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
                         int64_t n_begin, int64_t n_end, const Weights* next = nullptr) {
   const int64_t m_pad = round_up(M, kMR);
-  const bool in_place = B.strip_stride != 0;
+  const bool in_place = B.strip_stride != 0 && B.scale == nullptr;  // float32 strips: read where they lie
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kNC) {
     const int64_t nc = std::min(kNC, n_end - n0);
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {

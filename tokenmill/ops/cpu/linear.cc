@@ -3,10 +3,11 @@
 //
 //   y[M, N] = x[M, K] . w[layer]      for w the [L, K, N] stack of every layer's weights
 //
-// Float32 weights may come in the kernel's own layout instead, [L, N / kStrip, K, kStrip] (strips of
-// kStrip columns, made once at load time by linear.py's `to_strips`): the GEMM then multiplies them
-// where they lie instead of packing a copy of every panel on every call, and a GEMV reads each
-// strip as one contiguous stream.
+// The weights may come in the kernel's own layout instead, [L, N / kStrip, K, kStrip] (strips of
+// kStrip columns, made once at load time by linear.py's `to_strips`; 8-bit scales stay row-major):
+// the GEMM then multiplies float32 ones where they lie instead of packing a copy of every panel on
+// every call, and a GEMV reads each strip as one contiguous stream instead of a few bytes of every
+// row of B.
 //
 // The layer is an operand, not a slice: inside the model's scan over layers, a custom call given
 // one layer's slice would make XLA copy it out of the stack first, i.e. read the weights twice.
@@ -63,8 +64,6 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const bool strips = wd.size() == 4;
   if (xd.size() != 2 || !((wd.size() == 3 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == kStrip)))
     return ffi::Error::InvalidArgument("linear: expected x [M, K] and w [L, K, N] or [L, N / 32, K, 32]");
-  if (strips && (w.element_type() != ffi::DataType::F32 || wsz != 0))
-    return ffi::Error::InvalidArgument("linear: weights in strips are float32, without scales");
   const int64_t M = xd[0], K = xd[1], L = wd[0], N = strips ? wd[1] * kStrip : wd[2];
   if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(M * N))
     return ffi::Error::InvalidArgument("linear: expected a scalar layer and y [M, N]");
@@ -157,7 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N]: f32, s8, f8e4m3fn or f8e5m2; or f32 strips
+                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N] or strips: f32, s8, f8e4m3fn or f8e5m2
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K / wsz, N] ([0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]

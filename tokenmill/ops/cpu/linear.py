@@ -6,9 +6,10 @@ Float32 weights, or 8-bit ones (int8, float8 e4m3fn / e5m2) with one scale per w
 and column, dequantized inside the kernel as they are packed. `bf16`: x is rounded to bfloat16 first
 (then the products run on AMX tiles where the CPU has them and TOKENMILL_CPU_AMX allows).
 
-Float32 weights multiply fastest in the kernel's own layout, `to_strips(w)`: [L, N / STRIP, K, STRIP],
-strips of STRIP columns each stored K x STRIP, which the GEMM reads in place (no per-call packing)
-and a GEMV streams contiguously. The model converts its projections once at load time.
+Weights multiply fastest in the kernel's own layout, `to_strips(w)`: [L, N / STRIP, K, STRIP], strips
+of STRIP columns each stored K x STRIP (8-bit scales stay [L, K / wsz, N]), which the GEMM reads in
+place where they are float32 (no per-call packing) and a GEMV streams contiguously. The model
+converts its projections once at load time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.ops.cpu.build import LINEAR, build_error, load
 STRIP = 32  # columns per strip: gemm.h's kStrip
 _F32 = jnp.dtype(jnp.float32)
 _8BIT = {jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)}
+KERNEL_DTYPES = {_F32} | _8BIT  # the weight types the kernel multiplies
 
 
 def available() -> bool:
@@ -40,7 +42,7 @@ def supported_dtypes(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> boo
 
 def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
     """Whether the kernel computes these operands (assumes the platform is CPU)."""
-    in_strips = w.ndim == 4 and w.shape[3] == STRIP and scale is None
+    in_strips = w.ndim == 4 and w.shape[3] == STRIP
     return x.ndim == 2 and (w.ndim == 3 or in_strips) and supported_dtypes(x, w, scale)
 
 
@@ -63,8 +65,8 @@ def from_strips(strips: jax.Array) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False) -> jax.Array:
-    """x f32[M, K], w [L, K, N] (float32, or 8-bit with scale f32[L, K / wsz, N]; or float32 in strips,
-    `to_strips`) → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
+    """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
+    f32[L, K / wsz, N] → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
