@@ -142,6 +142,43 @@ def test_the_model_frees_each_stack_it_converts():
     assert out["attn_norm"] is layers["attn_norm"]
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fused_projections_give_what_each_gives_alone(quantized):
+    """Where the kernel runs them, q/k/v and gate/up are stored side by side and multiplied in one
+    call (llama.FUSED): the split outputs are bit for bit those of the separate stacks."""
+    require_kernel()
+    from tokenmill.config import ModelConfig
+    from tokenmill.model import llama
+
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
+                      quantization="int8" if quantized else None, quant_window=32 if quantized else 0)
+    widths = {"wq": 64, "wk": 32, "wv": 32, "w_gate": 96, "w_up": 96}
+    layers = {}
+    for i, (name, n) in enumerate(widths.items()):
+        w, scale = stack(i, 2, 64, n, jnp.int8 if quantized else jnp.float32, 32)
+        layers[name] = w
+        if quantized:
+            layers[name + "_scale"] = scale
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    fused = llama.to_kernel_layout({"layers": dict(layers)}, mesh)["layers"]
+    assert set(fused) == {"w_qkv", "w_gate_up"} | ({"w_qkv_scale", "w_gate_up_scale"} if quantized else set())
+    assert fused["w_qkv"].shape == (2, 128 // 32, 64, 32) and fused["w_gate_up"].shape == (2, 192 // 32, 64, 32)
+    assert all(w.is_deleted() for w in layers.values())
+    # the separate stacks again, made the same way
+    for i, (name, n) in enumerate(widths.items()):
+        layers[name], scale = stack(i, 2, 64, n, jnp.int8 if quantized else jnp.float32, 32)
+        if quantized:
+            layers[name + "_scale"] = scale
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 64)), jnp.float32)
+    for members in llama.FUSED.values():
+        together = llama.projections(cfg, fused, 1)(x, *members)
+        alone = llama.projections(cfg, layers, 1)(x, *members)
+        assert [a.shape for a in together] == [(3, widths[m]) for m in members]
+        for a, b in zip(together, alone):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("layer", [-1, 7, -9])
 def test_layer_index_wraps_then_clamps_like_jnp(monkeypatch, layer):
     require_kernel()

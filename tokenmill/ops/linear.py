@@ -50,15 +50,21 @@ def in_features(w: jax.Array) -> int:
     return w.shape[2] if w.ndim == 4 else w.shape[1]
 
 
+def kernel_runs(w: jax.Array, mesh: jax.sharding.Mesh) -> bool:
+    """Whether `linear` will multiply the [L, K, N] stack `w` on the CPU kernel where it runs over `mesh`."""
+    return (
+        envs.TOKENMILL_LINEAR_BACKEND != "jnp" and jax.default_backend() == "cpu" and is_unsharded(mesh)
+        and w.ndim == 3 and jnp.dtype(w.dtype) in cpu_linear.KERNEL_DTYPES and cpu_linear.available()
+    )
+
+
 def kernel_layout(w: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     """The [L, K, N] stack `w` in the layout `linear` multiplies fastest where it runs over `mesh`: the
     CPU kernel's strips (float32 or 8-bit weights; scales unchanged) where the kernel will compute
     them, else `w` itself."""
-    if envs.TOKENMILL_LINEAR_BACKEND == "jnp" or jax.default_backend() != "cpu" or not is_unsharded(mesh):
-        return w
-    if w.ndim != 3 or jnp.dtype(w.dtype) not in cpu_linear.KERNEL_DTYPES or w.shape[2] % cpu_linear.STRIP:
-        return w
-    return jax.jit(cpu_linear.to_strips)(w) if cpu_linear.available() else w
+    if kernel_runs(w, mesh) and w.shape[2] % cpu_linear.STRIP == 0:
+        return jax.jit(cpu_linear.to_strips)(w)
+    return w
 
 
 def _use_cpu_kernel(x, w, scale) -> bool:
