@@ -107,6 +107,47 @@ def test_strips_multiply_like_the_row_major_stack(monkeypatch, M, N, dtype, bf16
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
 
 
+def uint4_stack(seed: int, L: int, K: int, N: int, wsz: int):
+    """Random 4-bit codes in the kernel's strips, with a scale and an offset per window (Q4_1-like),
+    and the codes themselves [L, K, N]."""
+    rng = np.random.default_rng(seed)
+    codes = jnp.asarray(rng.integers(0, 16, (L, K, N)), jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (L, K // wsz, N)) / (8 * np.sqrt(K)), jnp.float32)
+    offset = jnp.asarray(-8 * scale * rng.uniform(0.7, 1.3, scale.shape), jnp.float32)
+    return jax.jit(cpu_linear.to_uint4_strips)(codes), scale, offset, codes
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
+@pytest.mark.parametrize("N", [224, 1120])
+def test_4bit_strips_match_reference(monkeypatch, M, N):
+    """4-bit codes (GGUF's Q4_0 / Q4_1 blocks as --quantization gguf keeps them), two per byte in
+    strips, decoded to code * scale + offset by the GEMV (up to 4 rows) and by the GEMM's packing."""
+    require_kernel()
+    K, wsz = 320, 32
+    packed, scale, offset, codes = uint4_stack(M + N, 3, K, N, wsz)
+    assert packed.shape == (3, N // 32, K, 16) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(cpu_linear.from_uint4_strips(packed)), np.asarray(codes))
+    x = jnp.asarray(np.random.default_rng(400 + M).standard_normal((M, K)), jnp.float32)
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    kernel = np.asarray(jax.jit(lambda x: linear(x, packed, 2, scale, wsz, offset=offset))(x))
+    ref = np.asarray(jax.jit(lambda x: linear_ref(x, packed, 2, scale, wsz, offset=offset))(x))
+    values = (np.asarray(codes[2], np.float64).reshape(K // wsz, wsz, N) * np.asarray(scale[2])[:, None]
+              + np.asarray(offset[2])[:, None]).reshape(K, N)
+    np.testing.assert_allclose(ref, np.asarray(x, np.float64) @ values, rtol=1e-4, atol=1e-5)
+    assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
+
+
+def test_4bit_rows_do_not_depend_on_their_batch(monkeypatch):
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    packed, scale, offset, _ = uint4_stack(21, 2, 320, 1120, 32)
+    x = jnp.asarray(np.random.default_rng(22).standard_normal((150, 320)), jnp.float32)
+    call = jax.jit(lambda x: linear(x, packed, 1, scale, 32, offset=offset))
+    full = np.asarray(call(x))
+    for rows in (1, 3, 4, 5, 13):
+        np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
+
+
 def test_strips_are_made_only_where_the_kernel_multiplies_them(monkeypatch):
     require_kernel()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))

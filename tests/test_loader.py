@@ -348,6 +348,63 @@ def test_gguf_quant_types_dequantize(tiny, tmp_path):
             np.testing.assert_array_equal(ours, _roundtrip(w, qtype).T, err_msg=what)
 
 
+# one kept type per projection (the same in every layer); the untied LM head in Q8_0
+KEPT_TYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1,
+              "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0}
+
+
+def kept_types(layers: int) -> dict:
+    return {f"blk.{i}.{t}.weight": q for i in range(layers) for t, q in KEPT_TYPES.items()} | {
+        "output.weight": Q.Q8_0}
+
+
+def test_gguf_blocks_are_kept_value_for_value(tiny, tmp_path):
+    """--quantization gguf: Q8_0 blocks become int8 codes with their scales, Q4_0 / Q4_1 blocks 4-bit
+    codes in the kernel's strips with scales and offsets; decoded, each is exactly what the
+    dequantizing loader gives (Q and K rows unpermuted alike)."""
+    from tokenmill.ops.cpu.linear import from_uint4_strips
+
+    _, sd = tiny["LlamaForCausalLM"]
+    path = tiny_gguf(tmp_path / "q.gguf", "LlamaForCausalLM", sd, types=kept_types(2))
+    floats, kept = load_model(path), load_model(path, keep_gguf_blocks=True)
+    c = kept.config
+    assert (c.quantization, c.quant_window) == ("gguf", 32)
+    assert set(c.quant_offsets) == {"wq", "wv", "w_gate", "w_up"}
+    assert "lm_head" not in kept.params and kept.params["lm_head_q"].dtype == np.int8
+
+    def decoded(stack: dict, key: str) -> np.ndarray:
+        codes = stack[key]
+        if key in c.quant_offsets:
+            assert codes.dtype == np.uint8 and codes.shape[-1] == 16
+            codes = np.asarray(from_uint4_strips(codes))
+        else:
+            assert codes.dtype == np.int8
+        L, K, N = codes.shape
+        values = codes.astype(np.float32).reshape(L, K // 32, 32, N) * stack[key + "_scale"][:, :, None]
+        if key + "_offset" in stack:
+            values = values + stack[key + "_offset"][:, :, None]
+        return values.reshape(L, K, N)
+
+    for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        np.testing.assert_array_equal(decoded(kept.params["layers"], key), floats.params["layers"][key], err_msg=key)
+    np.testing.assert_array_equal(decoded(kept.params, "lm_head_q")[0], floats.params["lm_head"])
+    np.testing.assert_array_equal(kept.params["embed"], floats.params["embed"])
+
+
+def test_gguf_blocks_refuse_what_they_cannot_keep(tiny, tmp_path):
+    hf_dir, sd = tiny["LlamaForCausalLM"]
+    with pytest.raises(ModelLoadError, match=r"keeps the blocks of a GGUF file; .* is an HF checkpoint"):
+        load_model(hf_dir, keep_gguf_blocks=True)
+    floats = tiny_gguf(tmp_path / "f.gguf", "LlamaForCausalLM", sd)  # every tensor F32
+    with pytest.raises(ModelLoadError, match=r"'blk.0.attn_q.weight' is F32; --quantization gguf keeps Q4_0, Q4_1, "
+                                             r"Q8_0 blocks"):
+        load_model(floats, keep_gguf_blocks=True)
+    mixed = tiny_gguf(tmp_path / "m.gguf", "LlamaForCausalLM", sd, types=kept_types(2) | {
+        "blk.1.attn_q.weight": Q.Q8_0})
+    with pytest.raises(ModelLoadError, match=r"the layers of wq mix Q4_0, Q8_0"):
+        load_model(mixed, keep_gguf_blocks=True)
+
+
 def _llamacpp_llama3_rope_factors(head_dim: int, base: float, factor: float) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors (Llama 3.1+ rope_freqs)."""
     import math

@@ -1,5 +1,6 @@
 """`--quantization`: projections and LM head stored in 8 bits at load time (int8; w8a16, the same
-weights with inputs rounded to bfloat16), on the real SmolLM2.
+weights with inputs rounded to bfloat16), or a GGUF file's blocks kept as they are (gguf), on the
+real SmolLM2.
 
 The issue's bar for 8-bit weights: greedy output on the parity prompts unchanged for at least 30
 of the first 32 tokens, and perplexity on a fixed text within 1% of float32. Three of the eight
@@ -85,9 +86,31 @@ def test_float8_on_a_tiny_model(tmp_path, kind):
     assert len(out) == 8 and out[0] == fp32[0]
 
 
+def test_gguf_blocks_keep_the_float_models_greedy_output(smollm2_path, fp32):
+    """--quantization gguf keeps the shipped file's Q4_1 projections 4-bit and its Q8_0 embedding as
+    an int8 LM head. Decoded they are exactly the float model's weights, and the kernels multiply
+    value by value: only the LM head's sums run in another order than XLA's, so greedy output is
+    the float model's and the logprobs agree closely."""
+    kept = LLM(smollm2_path, quantization="gguf", **ENGINE)
+    cfg = kept.engine.model.config
+    assert (cfg.quantization, cfg.quant_window) == ("gguf", 32)
+    assert str(kept.engine.model.params["layers"]["w_up"].dtype) == "uint8"  # two 4-bit codes a byte
+    assert str(kept.engine.model.params["lm_head_q"].dtype) == "int8"
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    for a, b in zip(fp32.generate(PARITY_PROMPTS, greedy, use_tqdm=False),
+                    kept.generate(PARITY_PROMPTS, greedy, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
+
+
 def test_bad_options_name_the_field(smollm2, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization must be one of int8, fp8_e4m3, fp8_e5m2, w8a16, got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of int8, fp8_e4m3, fp8_e5m2, w8a16 or gguf, "
+                                         r"got 'int4'"):
         LLM(smollm2, quantization="int4", **ENGINE)
+    with pytest.raises(ValueError, match=r"quantization='gguf' keeps a GGUF file's blocks as the model loads"):
+        LLM(smollm2, quantization="gguf", **ENGINE)  # a model loaded already, dequantized
     path = str(tmp_path / "gemma3")
     make_tiny_checkpoint("Gemma3ForCausalLM", path)
     with pytest.raises(ValueError, match=r"quantization='int8' is implemented for the Llama family"):

@@ -68,6 +68,9 @@ class ModelConfig:
     # axis
     quantization: str | None = None
     quant_window: int = 0
+    # "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are): the stacks held as 4-bit
+    # codes, which carry an offset per window besides the scale ("lm_head_q" for the LM head)
+    quant_offsets: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -237,7 +240,8 @@ class EngineConfig:
     expert_quantization: str | None = None
     expert_quantization_window: int = 256  # rows of the reduction axis per scale
     # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2",
-    # or "w8a16" (int8 weights, inputs rounded to bfloat16)
+    # or "w8a16" (int8 weights, inputs rounded to bfloat16); or keep a GGUF file's Q8_0 / Q4_0 / Q4_1
+    # blocks as they are: "gguf"
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -54,7 +54,8 @@ def prepare_model(config: EngineConfig, model: LoadedModel | None, tokenizer: bo
     """The model to run: `model`, else the checkpoint at config.model (with its tokenizer if asked);
     experts quantized if asked. Runs where the weights are placed: in the engine, or in each host's
     worker (worker/worker.py)."""
-    model = model if model is not None else load_model(config.model, tokenizer=tokenizer)
+    if model is None:
+        model = load_model(config.model, tokenizer=tokenizer, keep_gguf_blocks=config.quantization == "gguf")
     if config.expert_quantization and not model.config.expert_quantization:
         model = quantize_experts(model, config.expert_quantization, config.expert_quantization_window)
         logger.info("experts quantized at load time to %s, one scale per %d rows",

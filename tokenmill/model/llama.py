@@ -59,9 +59,12 @@ def param_specs(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         layers.update(q_norm=P(None, None), k_norm=P(None, None))
     specs = {"embed": P(None, None), "final_norm": P(None), "layers": layers}
-    if cfg.quantization:  # scales shard like their weights; the LM head is a stack of one
+    if cfg.quantization:  # scales (and offsets) shard like their weights; the LM head is a stack of one
         layers.update({k + "_scale": layers[k] for k in LINEAR_WEIGHTS if k in layers})
+        layers.update({k + "_offset": layers[k] for k in cfg.quant_offsets if k in layers})
         specs.update(lm_head_q=P(None, None, "model"), lm_head_q_scale=P(None, None, "model"))
+        if "lm_head_q" in cfg.quant_offsets:
+            specs["lm_head_q_offset"] = P(None, None, "model")
     elif not cfg.tie_word_embeddings:
         specs["lm_head"] = P(None, "model")
     return specs
@@ -76,9 +79,12 @@ def to_kernel_layout(params: dict, mesh) -> dict:
     layers = dict(params["layers"])
     for fused, members in FUSED.items():
         if all(m in layers for m in members) and kernel_runs(layers[members[0]], mesh):
-            for suffix in ("", "_scale") if members[0] + "_scale" in layers else ("",):
+            for suffix in ("", "_scale", "_offset"):
+                if members[0] + suffix not in layers:
+                    continue
                 parts = [layers.pop(m + suffix) for m in members]
-                layers[fused + suffix] = jnp.concatenate(parts, axis=2)
+                # N: axis 2 of [L, K, N] and of the scales; the strip axis 1 of 4-bit strips
+                layers[fused + suffix] = jnp.concatenate(parts, axis=1 if parts[0].ndim == 4 else 2)
                 for part in parts:
                     part.delete()
     for key in (*LINEAR_WEIGHTS, *FUSED):
@@ -111,7 +117,8 @@ def projections(cfg: ModelConfig, stacked: dict, layer):
     def multiply(name: str, x: jax.Array) -> jax.Array:
         weights, scale = stacked[name], stacked.get(name + "_scale")
         wsz = (cfg.quant_window or in_features(weights)) if scale is not None else None
-        return linear(x, weights, layer, scale, wsz, bf16=cfg.quantization == "w8a16").astype(x.dtype)
+        return linear(x, weights, layer, scale, wsz, bf16=cfg.quantization == "w8a16",
+                      offset=stacked.get(name + "_offset")).astype(x.dtype)
 
     def project(x: jax.Array, *names: str) -> tuple[jax.Array, ...]:
         fused = next((f for f, members in FUSED.items() if members == names and f in stacked), None)
@@ -188,7 +195,8 @@ def forward(
     window, per_layer_window = layer_windows(cfg)
     x = params["embed"][input_ids]
     # the projections stay whole (ops.linear indexes them); the rest is sliced by the scan
-    stacked = {k: v for k, v in params["layers"].items() if k.removesuffix("_scale") in (*LINEAR_WEIGHTS, *FUSED)}
+    stacked = {k: v for k, v in params["layers"].items()
+               if k.removesuffix("_scale").removesuffix("_offset") in (*LINEAR_WEIGHTS, *FUSED)}
     per_layer = {k: v for k, v in params["layers"].items() if k not in stacked}
 
     def layer_fn(carry, xs):
@@ -215,6 +223,6 @@ def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Arr
     if cfg.quantization:
         head = params["lm_head_q"]
         return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or in_features(head),
-                      bf16=cfg.quantization == "w8a16")
+                      bf16=cfg.quantization == "w8a16", offset=params.get("lm_head_q_offset"))
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)

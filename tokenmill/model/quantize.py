@@ -12,7 +12,8 @@ does not divide every reduction axis of the model), for `tokenmill.ops.linear.li
 dequantizes as it multiplies: a decode step reads a quarter of the bytes. The embedding table
 stays float32 for the lookup (a tied LM head gets its own quantized copy). `w8a16` stores the same
 int8 weights and rounds each projection's input to bfloat16 (`ops.linear`): the products then run
-on a CPU's AMX tiles where it has them.
+on a CPU's AMX tiles where it has them. (`gguf` quantizes nothing: the loader keeps a GGUF file's
+Q8_0 / Q4_0 / Q4_1 blocks as they are, loader/gguf_blocks.py.)
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ EXPERT_QUANTIZATIONS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5
 # --quantization takes the same formats, plus int8 weights with bfloat16 inputs
 QUANTIZATIONS = {**EXPERT_QUANTIZATIONS, "w8a16": jnp.int8}
 LINEAR_WINDOW = 64  # rows per scale (llama.cpp's Q8_0 blocks hold 32)
+# --quantization gguf: no quantizing at all, a GGUF file's own blocks kept (loader/gguf_blocks.py)
+KEEP_GGUF_BLOCKS = "gguf"
 
 
 def quantize_experts(model: LoadedModel, kind: str, window: int) -> LoadedModel:
@@ -59,8 +62,11 @@ def quantize_linear_layers(model: LoadedModel, kind: str) -> LoadedModel:
     from tokenmill.model.llama import LINEAR_WEIGHTS
 
     cfg = model.config
+    if kind == KEEP_GGUF_BLOCKS:
+        raise ValueError(f"quantization={kind!r} keeps a GGUF file's blocks as the model loads (load_model's "
+                         f"keep_gguf_blocks); {model.source} was loaded without them")
     if kind not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or {KEEP_GGUF_BLOCKS}, got {kind!r}")
     if cfg.architecture not in LLAMA_FAMILY:
         raise ValueError(f"quantization={kind!r} is implemented for the Llama family; {cfg.architecture} is not")
     if cfg.quantization:

@@ -34,27 +34,32 @@ def to_bf16_values(x: jax.Array) -> jax.Array:
 
 
 def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-               bf16: bool = False) -> jax.Array:
+               bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
     """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N]); `bf16`: x
     rounded to bfloat16 first."""
-    stored = cpu_linear.from_strips(w[layer]) if w.ndim == 4 else w[layer]
+    if cpu_linear.is_uint4_strips(w):
+        stored = cpu_linear.from_uint4_strips(w[layer])
+    else:
+        stored = cpu_linear.from_strips(w[layer]) if w.ndim == 4 else w[layer]
     if scale is None:
         return x @ stored
-    weights = dequantize(stored, scale[layer], wsz, 0, jnp.float32)
+    weights = dequantize(stored, scale[layer], wsz, 0, jnp.float32, None if offset is None else offset[layer])
     x = to_bf16_values(x) if bf16 else x.astype(jnp.float32)
     return jnp.dot(x, weights, preferred_element_type=jnp.float32)
 
 
 def in_features(w: jax.Array) -> int:
-    """K, the reduction axis of the stack `w` ([L, K, N] or its strips)."""
+    """K, the reduction axis of the stack `w` ([L, K, N] or its strips, 4-bit ones too)."""
     return w.shape[2] if w.ndim == 4 else w.shape[1]
 
 
 def kernel_runs(w: jax.Array, mesh: jax.sharding.Mesh) -> bool:
-    """Whether `linear` will multiply the [L, K, N] stack `w` on the CPU kernel where it runs over `mesh`."""
+    """Whether `linear` will multiply the stack `w` ([L, K, N], or 4-bit strips) on the CPU kernel
+    where it runs over `mesh`."""
+    stack = (w.ndim == 3 and jnp.dtype(w.dtype) in cpu_linear.KERNEL_DTYPES) or cpu_linear.is_uint4_strips(w)
     return (
         envs.TOKENMILL_LINEAR_BACKEND != "jnp" and jax.default_backend() == "cpu" and is_unsharded(mesh)
-        and w.ndim == 3 and jnp.dtype(w.dtype) in cpu_linear.KERNEL_DTYPES and cpu_linear.available()
+        and stack and cpu_linear.available()
     )
 
 
@@ -62,7 +67,7 @@ def kernel_layout(w: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     """The [L, K, N] stack `w` in the layout `linear` multiplies fastest where it runs over `mesh`: the
     CPU kernel's strips (float32 or 8-bit weights; scales unchanged) where the kernel will compute
     them, else `w` itself."""
-    if kernel_runs(w, mesh) and w.shape[2] % cpu_linear.STRIP == 0:
+    if kernel_runs(w, mesh) and w.ndim == 3 and w.shape[2] % cpu_linear.STRIP == 0:
         return jax.jit(cpu_linear.to_strips)(w)
     return w
 
@@ -85,12 +90,12 @@ def _use_cpu_kernel(x, w, scale) -> bool:
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-           bf16: bool = False) -> jax.Array:
+           bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
     """x [M, K], w [L, K, N] or its strips [L, N / 32, K, 32] (scale [L, K / wsz, N] for 8-bit w)
     → [M, N] = x . w[layer] (float32 on the kernel and for 8-bit w, else x's dtype); `bf16`: x rounded
     to bfloat16 first (8-bit w only)."""
-    if bf16 and scale is None:
+    if bf16 and (scale is None or offset is not None):
         raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
     if _use_cpu_kernel(x, w, scale):
-        return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16)
-    return linear_ref(x, w, layer, scale, wsz, bf16)
+        return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset)
+    return linear_ref(x, w, layer, scale, wsz, bf16, offset)

@@ -1,4 +1,5 @@
 """Symmetric sub-channel quantization: one float32 scale per window of rows along the reduction axis.
+(GGUF's Q4_1 blocks, kept as they are, add an offset per window: `dequantize`'s `offset`.)
 
 The layout the fused MoE op and the linear layers share: 8-bit weights (int8, float8 e4m3fn / e5m2;
 fp4 e2m1 for MoE experts) with scale = absmax / qmax over each window of `wsz` consecutive entries
@@ -35,10 +36,15 @@ def quantize_windows(w: jax.Array, dtype, wsz: int, reduction_axis: int) -> tupl
     return scaled.astype(dtype).reshape(w.shape), jnp.squeeze(scale, axis + 1)
 
 
-def dequantize(q: jax.Array, scale: jax.Array | None, wsz: int | None, reduction_axis: int, dtype) -> jax.Array:
-    """q with its window scales applied, in `dtype` (q itself, cast, when there are no scales)."""
+def dequantize(q: jax.Array, scale: jax.Array | None, wsz: int | None, reduction_axis: int, dtype,
+               offset: jax.Array | None = None) -> jax.Array:
+    """q with its window scales applied (q * scale, plus `offset` per window where given: GGUF's
+    Q4_1 blocks), in `dtype` (q itself, cast, when there are no scales)."""
     if scale is None:
         return q.astype(dtype)
     axis = reduction_axis % q.ndim
     windows = q.astype(jnp.float32).reshape(q.shape[:axis] + (q.shape[axis] // wsz, wsz) + q.shape[axis + 1 :])
-    return (windows * jnp.expand_dims(scale, axis + 1)).reshape(q.shape).astype(dtype)
+    values = windows * jnp.expand_dims(scale, axis + 1)
+    if offset is not None:
+        values = values + jnp.expand_dims(offset, axis + 1)
+    return values.reshape(q.shape).astype(dtype)

@@ -47,13 +47,14 @@ def compute_dtype(dtype: str = "auto"):
     return jnp.dtype(dtype)
 
 
-_QUANTIZED_DTYPES = frozenset(jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
+# (uint8: 4-bit codes, two per byte)
+_QUANTIZED_DTYPES = frozenset(jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.uint8))
 
 
 def param_dtype(name: str, x: np.ndarray, dtype):
     """The device dtype of a weight: quantized weights keep their storage type and their scales
-    stay float32; everything else computes in `dtype`."""
-    if jnp.dtype(x.dtype) in _QUANTIZED_DTYPES or name.endswith("_scale"):
+    and offsets stay float32; everything else computes in `dtype`."""
+    if jnp.dtype(x.dtype) in _QUANTIZED_DTYPES or name.endswith(("_scale", "_offset")):
         return x.dtype
     return dtype
 

@@ -20,7 +20,7 @@ from tokenmill.config import ModelConfig
 
 from .errors import ModelLoadError
 from .gguf import SUPPORTED_TYPES as SUPPORTED_GGUF_TYPES
-from .gguf import load_gguf_config, load_gguf_params, open_gguf
+from .gguf import load_gguf_blocks, load_gguf_config, load_gguf_params, open_gguf
 from .hf import load_hf_config, load_hf_params
 from .tokenizer import gguf_tokenizer, hf_tokenizer
 
@@ -93,10 +93,15 @@ def load_tokenizer(path: str | None):
     return hf_tokenizer(path) if kind == "hf" else gguf_tokenizer(path, open_gguf(path).metadata)
 
 
-def load_model(path: str | None, dtype=np.float32, *, tokenizer: bool = True) -> LoadedModel:
+def load_model(path: str | None, dtype=np.float32, *, tokenizer: bool = True,
+               keep_gguf_blocks: bool = False) -> LoadedModel:
     """The config, weights and (unless `tokenizer` is False: an engine core behind a front end that
-    tokenizes, which saves it ~1.3 s of start-up) the tokenizer and chat template."""
+    tokenizes, which saves it ~1.3 s of start-up) the tokenizer and chat template.
+    `keep_gguf_blocks` (--quantization gguf): a GGUF file's projections and LM head stay its blocks."""
     path, kind = _resolve(path)
+    if keep_gguf_blocks and kind == "hf":
+        raise ModelLoadError(f"--quantization gguf keeps the blocks of a GGUF file; {path} is an HF checkpoint "
+                             "(quantize it at load time with int8, fp8_e4m3, fp8_e5m2 or w8a16)")
     tok, chat_template = None, None
     # cheap checks first (config, tokenizer), the weights last
     if kind == "hf":
@@ -109,5 +114,8 @@ def load_model(path: str | None, dtype=np.float32, *, tokenizer: bool = True) ->
         config = load_gguf_config(gf)
         if tokenizer:
             tok, chat_template = gguf_tokenizer(path, gf.metadata)
-        params = load_gguf_params(gf, config, dtype)
+        if keep_gguf_blocks:
+            params, config = load_gguf_blocks(gf, config, dtype)
+        else:
+            params = load_gguf_params(gf, config, dtype)
     return LoadedModel(config=config, params=params, tokenizer=tok, chat_template=chat_template, source=path)

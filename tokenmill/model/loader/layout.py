@@ -89,8 +89,10 @@ def assemble(
     norm_offset: float = 0.0,
     fix: Fix | None = None,
     experts: Experts | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> dict:
-    """Read every tensor the config calls for into a fresh params dict.
+    """Read every tensor the config calls for into a fresh params dict, but those of the keys in
+    `skip` (checked, not read: the caller fills them its own way).
 
     Every tensor's presence and shape is checked before any is read, so a bad checkpoint fails in
     milliseconds instead of after minutes of dequantizing, and never yields a half-filled model.
@@ -131,10 +133,10 @@ def assemble(
             arr = arr.astype(np.float32) + offset  # add in fp32: w is small, 1 + w rounds in bf16
         return arr.T if key in MATRICES else arr
 
-    params: dict = {key: np.array(load(key, None), dtype=dtype) for key in top}
-    stacked = {key: np.empty((cfg.num_layers, *shape), dtype=dtype) for key, shape in layer.items()}
+    params: dict = {key: np.array(load(key, None), dtype=dtype) for key in top if key not in skip}
+    stacked = {key: np.empty((cfg.num_layers, *shape), dtype=dtype) for key, shape in layer.items() if key not in skip}
     for i in range(cfg.num_layers):
-        for key in layer:
+        for key in stacked:
             stacked[key][i] = load(key, i)  # converts dtype and lays out [in, out] in one copy
     params["layers"] = stacked
     return params

@@ -1,5 +1,6 @@
 // A float32 GEMM for the CPU kernels: C[M, N] = A[M, K] . B[K, N], with B float32 or 8-bit (int8,
-// float8 e4m3fn / e5m2) plus one float32 scale per window of rows and column, dequantized as it is
+// float8 e4m3fn / e5m2) plus one float32 scale per window of rows and column, or 4-bit codes with a
+// scale and an offset per window and column (GGUF's Q4_0 / Q4_1 blocks), dequantized as it is
 // packed. Included by moe_experts.cc and linear.cc (one translation unit each; build.py hashes this
 // header into both libraries' names).
 //
@@ -80,23 +81,31 @@ static const std::array<float, 256> kE5M2 = float8_table(2, 15, true);
 
 // A weight matrix B[K, N], row-major or in strips: float32, or 8-bit codes (int8, or float8 decoded
 // through `table`) with one float32 scale per window of `wsz` rows and column (scale [K / wsz, N],
-// row-major either way).
+// row-major either way), or 4-bit codes in strips with a scale and an offset per window and column:
+// value = code * scale + offset.
 struct Weights {
   const char* data = nullptr;
   int64_t N = 0;
-  int elem = 4;  // bytes per value
+  int elem = 4;  // bytes per value (1 for 4-bit codes, which are addressed through `bytes`)
   const float* table = nullptr;  // float8 only
   bool is_int8 = false;
+  // 4-bit codes 0..15 (in strips only): byte j of a strip's row holds columns 2j and 2j + 1 in its
+  // low and high nibble
+  bool is_uint4 = false;
   const float* scale = nullptr;  // nullptr: float32 values
+  const float* offset = nullptr;  // 4-bit only: [K / wsz, N], like the scales
   int64_t wsz = 0;
   // 0 for row-major B, else B is stored in strips of kStrip columns, each K x kStrip k-major, and
   // this is the number of values from one strip to the next (K * kStrip)
   int64_t strip_stride = 0;
 
-  // where B[k, n] lies (in strips, the kStrip - n % kStrip values from there on are its row's)
+  int64_t bytes(int64_t values) const { return is_uint4 ? values / 2 : values * elem; }
+
+  // where B[k, n] lies (in strips, the kStrip - n % kStrip values from there on are its row's; for
+  // 4-bit codes, n even)
   const char* address(int64_t k, int64_t n) const {
     const int64_t index = strip_stride == 0 ? k * N + n : (n / kStrip) * strip_stride + k * kStrip + n % kStrip;
-    return data + index * elem;
+    return data + bytes(index);
   }
 
   // float32 weights stored in strips: where column n's strip holds row k
@@ -105,8 +114,9 @@ struct Weights {
   // the sub-matrix that starts `values` values and `scales` scales further on (another expert's)
   Weights at(int64_t values, int64_t scales) const {
     Weights w = *this;
-    w.data += values * elem;
+    w.data += bytes(values);
     if (w.scale != nullptr) w.scale += scales;
+    if (w.offset != nullptr) w.offset += scales;
     return w;
   }
 };
@@ -131,8 +141,8 @@ struct Prefetch {
       rows_left = rows;
     } else {
       row = B.address(k0, n0);
-      stride = B.strip_stride * B.elem;
-      row_lines = (rows * kStrip * B.elem + 63) / 64;
+      stride = B.bytes(B.strip_stride);
+      row_lines = (B.bytes(rows * kStrip) + 63) / 64;
       rows_left = (cols + kStrip - 1) / kStrip;
     }
   }
@@ -234,6 +244,27 @@ TM_INLINE vf int8_to_float(const char* p) {
 #endif
 }
 
+// kVW 4-bit codes (kVW / 2 bytes, two per byte, low nibble first) → float32
+TM_INLINE vf uint4_to_float(const char* p) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+#elif defined(__AVX2__)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i bytes = _mm_cvtsi32_si128(word);
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+#else
+  float values[kVW];
+  for (int j = 0; j < kVW; ++j) values[j] = float((static_cast<uint8_t>(p[j / 2]) >> (4 * (j % 2))) & 0x0f);
+  return loadv(values);
+#endif
+}
+
 // B[k0:k0+kc, n0:n0+nc] → strips of kNR columns, each kc x kNR contiguous float32, zero-padded;
 // 8-bit values are decoded and scaled here, one panel at a time
 static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t n0, float* PB) {
@@ -246,6 +277,10 @@ static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t
       const char* row = B.address(k0 + k, n0 + first);  // n values on (in strips, n0 starts a strip)
       if (scale == nullptr) {
         std::memcpy(dst, row, n * sizeof(float));
+      } else if (B.is_uint4) {  // in strips: n == kNR
+        const float* offset = B.offset + ((k0 + k) / B.wsz) * B.N + n0 + first;
+        for (int v = 0; v < kNV; ++v)
+          storev(dst + v * kVW, uint4_to_float(row + v * kVW / 2) * loadv(scale + first + v * kVW) + loadv(offset + v * kVW));
       } else if (B.is_int8 && n == kNR) {
         for (int v = 0; v < kNV; ++v)
           storev(dst + v * kVW, int8_to_float(row + v * kVW) * loadv(scale + first + v * kVW));
@@ -277,16 +312,18 @@ static_assert(kGemvVectors * kVW % kStrip == 0, "a GEMV's blocks of columns are 
 
 // What B's values are, as a template argument: the GEMVs' inner loops then hold no branch on it
 // (a run-time test there kept the compiler from keeping the decoded weights in registers).
-enum class Kind { kFloat32, kInt8, kFloat8 };
+enum class Kind { kFloat32, kInt8, kFloat8, kUint4 };
 
 // The kVW values of B at `p` as float32, scaled by the kVW scales at `scale` (unused for float32
-// weights). Scaled value by value, as pack_b does: the GEMV and the GEMM then run the same chain of
-// FMAs for every output, so a row's result does not depend on how many rows share the call (batch
-// invariance).
+// weights; 4-bit codes also add the offsets `offset`). Value by value, as pack_b does: the GEMV and
+// the GEMM then run the same chain of FMAs for every output, so a row's result does not depend on
+// how many rows share the call (batch invariance).
 template <Kind kind>
-TM_INLINE vf decode(const Weights& B, const char* p, const float* scale) {
+TM_INLINE vf decode(const Weights& B, const char* p, const float* scale, const float* offset = nullptr) {
   if constexpr (kind == Kind::kFloat32) {
     return loadv(reinterpret_cast<const float*>(p));
+  } else if constexpr (kind == Kind::kUint4) {
+    return uint4_to_float(p) * loadv(scale) + loadv(offset);
   } else if constexpr (kind == Kind::kInt8) {
     return int8_to_float(p) * loadv(scale);
   } else {
@@ -341,8 +378,8 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
 template <int M, int S, Kind kind>
 static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
   constexpr int kV = kStrip / kVW;
-  constexpr int64_t elem = kind == Kind::kFloat32 ? 4 : 1;
-  constexpr int64_t row_bytes = kStrip * elem;
+  constexpr int64_t row_bytes = kind == Kind::kFloat32 ? kStrip * 4 : kind == Kind::kUint4 ? kStrip / 2 : kStrip;
+  constexpr int64_t vector_bytes = row_bytes / kV;
   const int64_t window = kind == Kind::kFloat32 ? K : B.wsz;
   int64_t n = n0;
   for (; n + S * kStrip <= n1; n += S * kStrip) {
@@ -351,13 +388,15 @@ static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, i
     vf acc[M][S][kV] = {};
     for (int64_t k0 = 0; k0 < K; k0 += window) {
       const float* scale = kind == Kind::kFloat32 ? nullptr : B.scale + (k0 / window) * B.N + n;
+      const float* offset = kind == Kind::kUint4 ? B.offset + (k0 / window) * B.N + n : nullptr;
       for (int64_t k = k0; k < k0 + window; ++k) {
         for (int s = 0; s < S; ++s)
           for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(strip[s] + (k + 16) * row_bytes + line, 0, 3);
         vf b[S][kV];
         for (int s = 0; s < S; ++s)
           for (int j = 0; j < kV; ++j)
-            b[s][j] = decode<kind>(B, strip[s] + k * row_bytes + j * kVW * elem, scale + s * kStrip + j * kVW);
+            b[s][j] = decode<kind>(B, strip[s] + k * row_bytes + j * vector_bytes, scale + s * kStrip + j * kVW,
+                                   offset + s * kStrip + j * kVW);
         for (int m = 0; m < M; ++m) {
           const vf a = splat(x[m * K + k]);
           for (int s = 0; s < S; ++s)
@@ -374,8 +413,11 @@ static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, i
 
 template <int M, Kind kind>
 static void gemv_of(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
-  // a float32 strip's row is enough bytes to keep the FMA units busy alone; 8-bit ones go two by two
-  if (B.strip_stride != 0)
+  // a float32 strip's row is enough bytes to keep the FMA units busy alone; 8- and 4-bit ones go
+  // two by two
+  if constexpr (kind == Kind::kUint4)  // in strips only
+    gemv_strips<M, 2, kind>(K, x, B, y, n0, n1);
+  else if (B.strip_stride != 0)
     gemv_strips<M, kind == Kind::kFloat32 ? 1 : 2, kind>(K, x, B, y, n0, n1);
   else
     gemv<M, kind>(K, x, B, y, n0, n1);
@@ -385,6 +427,8 @@ template <int M>
 static void gemv_of(int64_t K, const float* x, const Weights& B, float* y, int64_t n0, int64_t n1) {
   if (B.scale == nullptr)
     gemv_of<M, Kind::kFloat32>(K, x, B, y, n0, n1);
+  else if (B.is_uint4)
+    gemv_of<M, Kind::kUint4>(K, x, B, y, n0, n1);
   else if (B.is_int8)
     gemv_of<M, Kind::kInt8>(K, x, B, y, n0, n1);
   else

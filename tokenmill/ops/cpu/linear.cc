@@ -13,7 +13,9 @@
 // one layer's slice would make XLA copy it out of the stack first, i.e. read the weights twice.
 // Weights are float32, or 8-bit (int8, float8 e4m3fn / e5m2) with one float32 scale per window of
 // `wsz` rows and column (scale [L, K / wsz, N]), dequantized as they are packed (gemm.h): decoding a
-// batch of one reads a quarter of the bytes of float32.
+// batch of one reads a quarter of the bytes of float32. Or 4-bit codes (GGUF's Q4_0 / Q4_1 blocks,
+// kept as they are), in strips only ([L, N / 32, K, 16] bytes), with a scale and an offset per
+// window and column: value = code * scale + offset.
 //
 // The columns are cut into blocks (about four per thread) that the threads of XLA's intra-op pool
 // claim (parallel.h). Up to kGemvRows rows (decoding) each block streams its weights straight
@@ -56,19 +58,46 @@ int64_t wrap_clamp(int64_t i, int64_t n) {
   return std::min<int64_t>(std::max<int64_t>(i, 0), n - 1);
 }
 
+// 4-bit codes as Weights (w: uint8, two codes per byte, in strips); "" when usable, else what is wrong
+const char* uint4_weights(const ffi::AnyBuffer& w, const ffi::Buffer<ffi::F32>& scale,
+                          const ffi::Buffer<ffi::F32>& offset, int64_t wsz, int64_t K, int64_t N, int64_t bf16,
+                          Weights& all) {
+  if (wsz <= 0 || K % wsz != 0) return "4-bit weights need a window size that divides the reduction axis";
+  const size_t windows = w.element_count() * 2 / size_t(wsz);
+  if (scale.element_count() != windows || offset.element_count() != windows)
+    return "4-bit weights need one scale and one offset per window";
+  if (bf16 != 0) return "bf16 multiplies 8-bit weights only";
+  all.data = static_cast<const char*>(w.untyped_data());
+  all.N = N;
+  all.elem = 1;
+  all.is_uint4 = true;
+  all.scale = scale.typed_data();
+  all.offset = offset.typed_data();
+  all.wsz = wsz;
+  return "";
+}
+
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz,
-                      int64_t bf16) {
+                      ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                      int64_t wsz, int64_t bf16) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
+  const bool uint4 = w.element_type() == ffi::DataType::U8;
   const bool strips = wd.size() == 4;
-  if (xd.size() != 2 || !((wd.size() == 3 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == kStrip)))
-    return ffi::Error::InvalidArgument("linear: expected x [M, K] and w [L, K, N] or [L, N / 32, K, 32]");
+  const int64_t row = uint4 ? kStrip / 2 : kStrip;  // stored elements per row of a strip
+  if (xd.size() != 2 ||
+      !((wd.size() == 3 && !uint4 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == row)))
+    return ffi::Error::InvalidArgument(
+        "linear: expected x [M, K] and w [L, K, N], its strips [L, N / 32, K, 32] or 4-bit strips [L, N / 32, K, 16]");
   const int64_t M = xd[0], K = xd[1], L = wd[0], N = strips ? wd[1] * kStrip : wd[2];
   if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(M * N))
     return ffi::Error::InvalidArgument("linear: expected a scalar layer and y [M, N]");
+  if (!uint4 && offset.element_count() != 0)
+    return ffi::Error::InvalidArgument("linear: offsets go with 4-bit weights only");
   Weights all;
-  if (const char* problem = weights_of(w, scale, wsz, K, N, all); *problem)
+  if (const char* problem = uint4 ? uint4_weights(w, scale, offset, wsz, K, N, bf16, all)
+                                  : weights_of(w, scale, wsz, K, N, all);
+      *problem)
     return ffi::Error::InvalidArgument(std::string("linear: ") + problem);
   if (strips) all.strip_stride = K * kStrip;
   const int64_t l = wrap_clamp(layer.typed_data()[0], L);
@@ -156,8 +185,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N] or strips: f32, s8, f8e4m3fn or f8e5m2
+                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N] or strips: f32, s8, f8e4m3fn or f8e5m2;
+                                                          // or u8: 4-bit codes in strips
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K / wsz, N] ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset [L, K / wsz, N] (4-bit w; [0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("wsz")  // rows per scale window (0: float32 weights)

@@ -40,8 +40,15 @@ def supported_dtypes(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> boo
     return jnp.dtype(w.dtype) in _8BIT if scale is not None else jnp.dtype(w.dtype) == _F32
 
 
+def is_uint4_strips(w: jax.Array) -> bool:
+    """Whether `w` holds 4-bit codes in strips, two per byte ([L, N / STRIP, K, STRIP / 2] uint8)."""
+    return jnp.dtype(w.dtype) == jnp.uint8 and w.ndim == 4 and w.shape[3] == STRIP // 2
+
+
 def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
     """Whether the kernel computes these operands (assumes the platform is CPU)."""
+    if is_uint4_strips(w):
+        return x.ndim == 2 and jnp.dtype(x.dtype) == _F32 and scale is not None
     in_strips = w.ndim == 4 and w.shape[3] == STRIP
     return x.ndim == 2 and (w.ndim == 3 or in_strips) and supported_dtypes(x, w, scale)
 
@@ -63,16 +70,33 @@ def from_strips(strips: jax.Array) -> jax.Array:
     return strips.transpose(*axes, len(lead) + 1, len(lead), len(lead) + 2).reshape(*lead, K, S * STRIP)
 
 
+def to_uint4_strips(codes: jax.Array) -> jax.Array:
+    """4-bit codes [..., K, N] (values 0..15, N a multiple of STRIP) → the kernel's 4-bit strips
+    [..., N / STRIP, K, STRIP / 2] uint8: byte j of a strip's row holds columns 2j (low nibble) and
+    2j + 1 (high nibble)."""
+    strips = to_strips(codes.astype(jnp.uint8))
+    return strips[..., 0::2] | (strips[..., 1::2] << 4)
+
+
+def from_uint4_strips(packed: jax.Array) -> jax.Array:
+    """4-bit strips [..., N / STRIP, K, STRIP / 2] → the codes [..., K, N] they hold (uint8)."""
+    pairs = jnp.stack([packed & 0x0F, packed >> 4], axis=-1)
+    return from_strips(pairs.reshape(*packed.shape[:-1], STRIP))
+
+
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-           bf16: bool = False) -> jax.Array:
+           bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
     """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
+    f32[L, K / wsz, N], or 4-bit strips (`ops.quantization.pack_uint4_strips`) with scale and offset
     f32[L, K / wsz, N] → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
-    scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    none = jnp.zeros((0,), jnp.float32)
+    scale = none if scale is None else scale.astype(jnp.float32)
+    offset = none if offset is None else offset.astype(jnp.float32)
     n = w.shape[1] * STRIP if w.ndim == 4 else w.shape[2]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(LINEAR.target, out)(
-        x, w, scale, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),
+        x, w, scale, offset, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),
         bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_AMX else int(bf16)),
     )
