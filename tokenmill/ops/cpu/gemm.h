@@ -265,6 +265,29 @@ TM_INLINE vf uint4_to_float(const char* p) {
 #endif
 }
 
+// A strip's row of kStrip 4-bit codes (kStrip / 2 bytes) → its kStrip / kVW vectors of float32: one
+// load and one split of the nibbles for the whole row (the GEMV's decode is its bottleneck)
+TM_INLINE void uint4_row_to_float(const char* p, vf* out) {
+  static_assert(kStrip == 32, "a row of 16 bytes");
+#if defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  const __m128i first = _mm_unpacklo_epi8(low, high), second = _mm_unpackhi_epi8(low, high);  // codes 0-15, 16-31
+#if defined(__AVX512F__)
+  out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
+  out[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
+#else
+  out[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+  out[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+  out[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+  out[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+#endif
+#else
+  for (int v = 0; v < kStrip / kVW; ++v) out[v] = uint4_to_float(p + v * kVW / 2);
+#endif
+}
+
 // B[k0:k0+kc, n0:n0+nc] → strips of kNR columns, each kc x kNR contiguous float32, zero-padded;
 // 8-bit values are decoded and scaled here, one panel at a time
 static void pack_b(int64_t kc, int64_t nc, const Weights& B, int64_t k0, int64_t n0, float* PB) {
@@ -315,15 +338,13 @@ static_assert(kGemvVectors * kVW % kStrip == 0, "a GEMV's blocks of columns are 
 enum class Kind { kFloat32, kInt8, kFloat8, kUint4 };
 
 // The kVW values of B at `p` as float32, scaled by the kVW scales at `scale` (unused for float32
-// weights; 4-bit codes also add the offsets `offset`). Value by value, as pack_b does: the GEMV and
-// the GEMM then run the same chain of FMAs for every output, so a row's result does not depend on
-// how many rows share the call (batch invariance).
+// weights; 4-bit codes are decoded a strip's row at a time, in gemv_strips). Value by value, as
+// pack_b does: the GEMV and the GEMM then run the same chain of FMAs for every output, so a row's
+// result does not depend on how many rows share the call (batch invariance).
 template <Kind kind>
-TM_INLINE vf decode(const Weights& B, const char* p, const float* scale, const float* offset = nullptr) {
+TM_INLINE vf decode(const Weights& B, const char* p, const float* scale) {
   if constexpr (kind == Kind::kFloat32) {
     return loadv(reinterpret_cast<const float*>(p));
-  } else if constexpr (kind == Kind::kUint4) {
-    return uint4_to_float(p) * loadv(scale) + loadv(offset);
   } else if constexpr (kind == Kind::kInt8) {
     return int8_to_float(p) * loadv(scale);
   } else {
@@ -393,10 +414,16 @@ static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, i
         for (int s = 0; s < S; ++s)
           for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(strip[s] + (k + 16) * row_bytes + line, 0, 3);
         vf b[S][kV];
-        for (int s = 0; s < S; ++s)
-          for (int j = 0; j < kV; ++j)
-            b[s][j] = decode<kind>(B, strip[s] + k * row_bytes + j * vector_bytes, scale + s * kStrip + j * kVW,
-                                   offset + s * kStrip + j * kVW);
+        for (int s = 0; s < S; ++s) {
+          if constexpr (kind == Kind::kUint4) {  // code * scale + offset, as pack_b decodes them
+            uint4_row_to_float(strip[s] + k * row_bytes, b[s]);
+            for (int j = 0; j < kV; ++j)
+              b[s][j] = b[s][j] * loadv(scale + s * kStrip + j * kVW) + loadv(offset + s * kStrip + j * kVW);
+          } else {
+            for (int j = 0; j < kV; ++j)
+              b[s][j] = decode<kind>(B, strip[s] + k * row_bytes + j * vector_bytes, scale + s * kStrip + j * kVW);
+          }
+        }
         for (int m = 0; m < M; ++m) {
           const vf a = splat(x[m * K + k]);
           for (int s = 0; s < S; ++s)
