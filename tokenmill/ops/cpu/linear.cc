@@ -17,8 +17,8 @@
 // kept as they are), in strips only ([L, N / 32, K, 16] bytes), with a scale and an offset per
 // window and column: value = code * scale + offset.
 //
-// The columns are cut into blocks (about four per thread) that the threads of XLA's intra-op pool
-// claim (parallel.h). Up to kGemvRows rows (decoding) each block streams its weights straight
+// The columns are cut into blocks (about four per thread) that the calling thread and its helpers
+// claim (parallel.h: for the GEMV's short calls, helpers that spin between calls). Up to kGemvRows rows (decoding) each block streams its weights straight
 // through gemv; more rows pack A once and run gemm.h's blocked GEMM over each block. The layer index
 // follows jnp indexing: negative wraps once, then it is clamped into range.
 //
@@ -163,7 +163,8 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     }
     parallel_for<NoState>(
         pool, blocks, [] { return std::make_unique<NoState>(); },
-        [&](int64_t i, NoState&) { gemv_rows(M, K, xp, weights, out, i * block, std::min(N, (i + 1) * block)); });
+        [&](int64_t i, NoState&) { gemv_rows(M, K, xp, weights, out, i * block, std::min(N, (i + 1) * block)); },
+        /*spin=*/true);  // decoding: a few tens of microseconds per call, one call after the other
     return ffi::Error::Success();
   }
   packed_a.resize(round_up(M, kMR) * K);

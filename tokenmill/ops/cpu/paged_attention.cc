@@ -401,7 +401,8 @@ static void run(ffi::ThreadPool& pool, Problem pb, const QT* q, const KT* kc, co
   const int64_t items = pb.T * (pb.KVH / pb.span);
   parallel_for<Scratch<KT>>(
       pool, items, [&pb] { return std::make_unique<Scratch<KT>>(pb); },
-      [&](int64_t i, Scratch<KT>& scratch) { attend<QT, KT>(pb, q, kc, vc, out, i, scratch); });
+      [&](int64_t i, Scratch<KT>& scratch) { attend<QT, KT>(pb, q, kc, vc, out, i, scratch); },
+      /*spin=*/pb.T <= 4);  // decoding a few sequences: short calls between the projections' GEMVs
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,

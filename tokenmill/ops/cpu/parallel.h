@@ -1,24 +1,92 @@
-// parallel_for for the CPU kernels: work items spread over XLA's intra-op thread pool.
+// parallel_for for the CPU kernels: work items spread over the calling thread and helpers.
 //
-// Items are claimed one at a time from an atomic counter by the calling thread and by helper tasks
-// on the pool. The caller waits only for items that were claimed, so a helper that never gets a
-// thread (or starts after the end) cannot block it. The counters live in a reference-counted block
-// that late helpers may still touch; what lives on the caller's stack (make, body) is used only
-// after a successful claim, i.e. while the caller still waits.
+// Items are claimed one at a time from an atomic counter by the calling thread and by helper tasks.
+// The caller waits only for items that were claimed, so a helper that never gets a thread (or
+// starts after the end) cannot block it. The counters live in a reference-counted block that late
+// helpers may still touch; what lives on the caller's stack (make, body) is used only after a
+// successful claim, i.e. while the caller still waits.
+//
+// The helpers are tasks on XLA's intra-op thread pool, or, for the short calls of a decode step
+// (`spin`), SpinningHelpers: a task handed to the pool there started ~50 µs late on average (its
+// threads had parked between the kernel calls), about as long as a whole GEMV of a decode step.
+// Spinning threads would slow long calls instead (W1 -8%): they take CPU from XLA's own threads.
 
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace {
+
+// Threads of this library's own that run the latest posted job. An idle one yields its core (to
+// whatever else is runnable) for kSpin before it sleeps, so the next job of a decode step finds it
+// awake. A helper that is busy when a job is posted may miss it: that job's caller does the items.
+class SpinningHelpers {
+ public:
+  static constexpr std::chrono::microseconds kSpin{300};
+
+  static SpinningHelpers& get() {
+    static SpinningHelpers* helpers = new SpinningHelpers();  // never destroyed: its threads never end
+    return *helpers;
+  }
+
+  // job() on up to `count` helpers (started on first use)
+  void post(std::function<void()> job, int64_t count) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (int64_t(threads_.size()) < count) threads_.emplace_back([this] { loop(); });
+      job_ = std::move(job);
+      wanted_ = count;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto idle_since = std::chrono::steady_clock::now();
+      for (int spins = 1; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        std::this_thread::yield();
+        if (spins % 16 == 0 && std::chrono::steady_clock::now() - idle_since > kSpin) {
+          std::unique_lock<std::mutex> lock(mu_);
+          sleepers_.fetch_add(1, std::memory_order_acq_rel);
+          cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+      }
+      std::function<void()> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        seen = generation_.load(std::memory_order_acquire);
+        if (wanted_ > 0) {
+          --wanted_;
+          job = job_;
+        }
+      }
+      if (job) job();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleepers_{0};
+  std::function<void()> job_;  // guarded by mu_
+  int64_t wanted_ = 0;  // helpers still to take job_ (guarded by mu_)
+  std::vector<std::thread> threads_;  // guarded by mu_
+};
 
 template <typename State>
 struct ParallelRun {
@@ -32,9 +100,10 @@ struct ParallelRun {
 
 // Runs body(item, state) for every item in [0, items). Each thread that claims an item first makes
 // its own state with make(); the states come back to the caller (to combine per-thread results).
+// `spin`: the helpers are SpinningHelpers (short calls, one after the other), else pool tasks.
 template <typename State, typename Make, typename Body>
 std::vector<std::unique_ptr<State>> parallel_for(xla::ffi::ThreadPool& pool, int64_t items, const Make& make,
-                                                 const Body& body) {
+                                                 const Body& body, bool spin = false) {
   if (items <= 0) return {};
   auto run = std::make_shared<ParallelRun<State>>();
   run->total = items;
@@ -61,7 +130,10 @@ std::vector<std::unique_ptr<State>> parallel_for(xla::ffi::ThreadPool& pool, int
     }
   };
   const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), items);
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([work] { work(); });
+  if (spin && threads > 1)
+    SpinningHelpers::get().post(work, threads - 1);
+  else
+    for (int64_t i = 1; i < threads; ++i) pool.Schedule([work] { work(); });
   work();
   std::unique_lock<std::mutex> lock(run->mu);
   run->cv.wait(lock, [&] { return run->done.load(std::memory_order_acquire) == items; });
