@@ -9,7 +9,9 @@ and column, dequantized inside the kernel as they are packed. `bf16`: x is round
 Weights multiply fastest in the kernel's own layout, `to_strips(w)`: [L, N / STRIP, K, STRIP], strips
 of STRIP columns each stored K x STRIP (8-bit scales stay [L, K / wsz, N]), which the GEMM reads in
 place where they are float32 (no per-call packing) and a GEMV streams contiguously. The model
-converts its projections once at load time.
+converts its projections once at load time. 4-bit codes (GGUF's Q4_0 / Q4_1 blocks, kept by
+`--quantization gguf`) exist in strips only, two per byte (`to_uint4_strips`), with a scale and an
+offset per window: value = code * scale + offset.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def from_uint4_strips(packed: jax.Array) -> jax.Array:
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
     """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
-    f32[L, K / wsz, N], or 4-bit strips (`ops.quantization.pack_uint4_strips`) with scale and offset
+    f32[L, K / wsz, N], or 4-bit strips (`to_uint4_strips`) with scale and offset
     f32[L, K / wsz, N] → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
