@@ -9,6 +9,9 @@ OUT=${1:-bench_results/$(date +%Y%m%d-%H%M)}
 REPS=${2:-3}
 PEERS=${PEERS_SRC:-../shared/peers}
 export PEERS_DIR=${PEERS_DIR:-$HOME/.cache/tokenmill-peers}
+# a relative PEERS is taken from the repository root: a clone elsewhere must set PEERS_SRC
+[ -f "$PEERS/bench_hf.py" ] || { echo "no peers scripts in $PEERS: set PEERS_SRC" >&2; exit 1; }
+PEERS=$(cd "$PEERS" && pwd)
 mkdir -p "$OUT"
 lock() { flock /tmp/bench.lock "$@"; }
 result() { grep '^RESULT ' | sed 's/^RESULT //' > "$OUT/$1.json"; }
