@@ -183,6 +183,41 @@ def test_the_model_frees_each_stack_it_converts():
     assert out["attn_norm"] is layers["attn_norm"]
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("vocab", [64, 48])
+def test_a_float_lm_head_is_multiplied_from_strips(tied, vocab):
+    """Where the kernel runs, a float32 LM head is stored in strips as a stack of one (replacing the
+    embedding it is tied to, whose rows the lookup then reads from the strips) and multiplied there,
+    giving XLA's logits and the same embeddings; a vocabulary of no whole strips keeps XLA's dot."""
+    require_kernel()
+    from tokenmill.config import ModelConfig
+    from tokenmill.model import llama
+
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64,
+                      tie_word_embeddings=tied)
+    rng = np.random.default_rng(7)
+    embed = jnp.asarray(rng.standard_normal((vocab, 16)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((16, vocab)), jnp.float32)
+    params = {"embed": embed, "layers": {}} | ({} if tied else {"lm_head": head})
+    hidden = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    ids = jnp.asarray([0, vocab - 1, 33 % vocab, 5, 31], jnp.int32)
+    expected_logits = np.asarray(llama.compute_logits(params, cfg, hidden))
+    expected_rows = np.asarray(embed[ids])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    converted = llama.to_kernel_layout(params, mesh)
+    if vocab % cpu_linear.STRIP:
+        assert "lm_head_strips" not in converted and converted["embed"] is embed
+        assert tied or converted["lm_head"] is head
+    else:
+        assert converted["lm_head_strips"].shape == (1, vocab // 32, 16, 32) and "lm_head" not in converted
+        assert ("embed" not in converted and embed.is_deleted()) if tied else (converted["embed"] is embed
+                                                                              and head.is_deleted())
+    logits = np.asarray(jax.jit(lambda p, h: llama.compute_logits(p, cfg, h))(converted, hidden))
+    np.testing.assert_allclose(logits, expected_logits, rtol=F32_REL, atol=F32_REL)
+    np.testing.assert_array_equal(np.asarray(jax.jit(llama.embed_tokens)(converted, ids)), expected_rows)
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_fused_projections_give_what_each_gives_alone(quantized):
     """Where the kernel runs them, q/k/v and gate/up are stored side by side and multiplied in one

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
-from tokenmill.ops.cpu.linear import to_strips
-from tokenmill.ops.linear import in_features, kernel_layout, kernel_runs, linear
+from tokenmill.ops.cpu.linear import STRIP, to_strips
+from tokenmill.ops.linear import in_features, kernel_layout, kernel_runs, linear, takes_strips
 from tokenmill.ops.moe import fused_moe, strips_suit
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import apply_rotary, inv_frequencies, rope_attention_factor
@@ -96,7 +96,30 @@ def to_kernel_layout(params: dict, mesh) -> dict:
     params = {**params, "layers": layers}
     if "lm_head_q" in params:  # a quantized LM head: a stack of one
         params["lm_head_q"] = _replaced(params["lm_head_q"], lambda w: kernel_layout(w, mesh))
+    elif "lm_head" in params or "embed" in params:
+        # a float LM head in strips too where the kernel multiplies it; one tied to the embedding
+        # replaces it, the lookup reading its rows from the strips (`embed_tokens`)
+        name = "lm_head" if "lm_head" in params else "embed"
+        tied = name == "embed"
+        # converted from the head in one step, so that no transposed [1, D, V] copy is stored meanwhile
+        if takes_strips(jax.eval_shape(lambda h: _head_stack(h, tied), params[name]), mesh):
+            params["lm_head_strips"] = jax.jit(lambda h: to_strips(_head_stack(h, tied)))(params[name])
+            params.pop(name).delete()
     return params
+
+
+def embed_tokens(params: dict, input_ids: jax.Array) -> jax.Array:
+    """The embedding rows of `input_ids` [T] → [T, D]: from `embed` [V, D], or from the LM head's
+    strips [1, V / 32, D, 32] that replaced the embedding it is tied to (token t: column t % 32 of
+    strip t // 32)."""
+    if "embed" in params:
+        return params["embed"][input_ids]
+    return params["lm_head_strips"][0, input_ids // STRIP, :, input_ids % STRIP]
+
+
+def _head_stack(head: jax.Array, tied: bool) -> jax.Array:
+    """The LM head as a stack of one [1, D, V], from the embedding [V, D] it is tied to or from [D, V]."""
+    return (head.T if tied else head)[None]
 
 
 def _replaced(array: jax.Array, convert) -> jax.Array:
@@ -193,7 +216,7 @@ def forward(
     # YaRN scales cos and sin, i.e. q and k: the scores by its square
     scale = cfg.head_dim**-0.5 * rope_attention_factor(cfg.rope_scaling_dict) ** 2
     window, per_layer_window = layer_windows(cfg)
-    x = params["embed"][input_ids]
+    x = embed_tokens(params, input_ids)
     # the projections stay whole (ops.linear indexes them); the rest is sliced by the scan
     stacked = {k: v for k, v in params["layers"].items()
                if k.removesuffix("_scale").removesuffix("_offset") in (*LINEAR_WEIGHTS, *FUSED)}
@@ -224,5 +247,7 @@ def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Arr
         head = params["lm_head_q"]
         return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or in_features(head),
                       bf16=cfg.quantization == "w8a16", offset=params.get("lm_head_q_offset"))
+    if "lm_head_strips" in params:
+        return linear(hidden, params["lm_head_strips"], 0)
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)

@@ -67,9 +67,12 @@ def kernel_layout(w: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     """The [L, K, N] stack `w` in the layout `linear` multiplies fastest where it runs over `mesh`: the
     CPU kernel's strips (float32 or 8-bit weights; scales unchanged) where the kernel will compute
     them, else `w` itself."""
-    if kernel_runs(w, mesh) and w.ndim == 3 and w.shape[2] % cpu_linear.STRIP == 0:
-        return jax.jit(cpu_linear.to_strips)(w)
-    return w
+    return jax.jit(cpu_linear.to_strips)(w) if takes_strips(w, mesh) else w
+
+
+def takes_strips(w, mesh: jax.sharding.Mesh) -> bool:
+    """Whether `kernel_layout` puts the [L, K, N] stack `w` (an array or just its shape) in strips."""
+    return kernel_runs(w, mesh) and w.ndim == 3 and w.shape[2] % cpu_linear.STRIP == 0
 
 
 def _use_cpu_kernel(x, w, scale) -> bool:
