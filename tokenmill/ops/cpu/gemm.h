@@ -172,6 +172,12 @@ TM_INLINE float lane_fma(float a, float b, float c) {
 #endif
 }
 
+// rows [0, rows) of a kNR-column tile of C (leading dimension ldc) towards the cache, for writing
+TM_INLINE void prefetch_tile(const float* C, int64_t ldc, int rows) {
+  for (int i = 0; i < rows; ++i)
+    for (int line = 0; line < kNR * int(sizeof(float)); line += 64) __builtin_prefetch(C + i * ldc + line / 4, 1, 3);
+}
+
 // C[0:M, 0:cols] = (accumulate ? C : 0) + A[0:M, 0:kc] . B[0:kc, 0:kNR], from packed operands: PA
 // holds A k-major (kMR floats per k, rows past M unused), PB one strip of B (kNR floats per k,
 // zero past `cols`), its rows `ldb` floats apart.
@@ -505,8 +511,15 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
         for (int64_t s = 0; s * kNR < nc; ++s) {
           const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
           const float* strip = in_place ? B.strip_at(k0, n0 + s * kNR) : panel + s * kc * kNR;
-          for (int64_t m0 = mc; m0 < std::min(M, mc + kMC); m0 += kMR) {
+          const int64_t m_end = std::min(M, mc + kMC);
+          for (int64_t m0 = mc; m0 < m_end; m0 += kMR) {
             const int m = int(std::min<int64_t>(kMR, M - m0));
+            // the C tile of the next call, whose rows lie N floats apart (beyond the hardware's
+            // prefetchers): in cache by the time that call loads (or stores) it
+            if (m0 + kMR < m_end)
+              prefetch_tile(C + (m0 + kMR) * N + n0 + s * kNR, N, int(std::min<int64_t>(kMR, m_end - m0 - kMR)));
+            else if ((s + 1) * kNR < nc)
+              prefetch_tile(C + mc * N + n0 + (s + 1) * kNR, N, int(std::min<int64_t>(kMR, m_end - mc)));
             kMicroKernels[m - 1](kc, PA + k0 * m_pad + (m0 / kMR) * kc * kMR, strip, in_place ? kStrip : kNR,
                                  C + m0 * N + n0 + s * kNR, N, cols, k0 > 0, pf);
           }
