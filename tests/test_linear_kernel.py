@@ -55,7 +55,7 @@ def with_and_without_amx(monkeypatch, x, w, scale, wsz):
     return outputs
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 260])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_kernel_matches_reference(monkeypatch, M, dtype):
     require_kernel()
@@ -70,14 +70,14 @@ def test_kernel_matches_reference(monkeypatch, M, dtype):
                                             (jnp.int8, True, "1")])
 def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
     """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output, and AMX the
-    same tile sequence for every row: a row's result is bit for bit the same alone or among 150
-    rows (what keeps greedy output batch-invariant)."""
+    same tile sequence for every row: a row's result is bit for bit the same alone or among 260
+    rows (what keeps greedy output batch-invariant; 260 x 300 inputs are packed by all threads)."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
     w, scale = stack(9, 2, 300, 200, dtype, 20)
     wsz = 20 if scale is not None else None
-    x = jnp.asarray(np.random.default_rng(10).standard_normal((150, 300)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((260, 300)), jnp.float32)
     call = jax.jit(lambda x: linear(x, w, 1, scale, wsz, bf16))
     full = np.asarray(call(x))
     for rows in (1, 3, 4, 5, 13):

@@ -221,12 +221,14 @@ constexpr auto kMicroKernels = micro_table(std::make_integer_sequence<int, kMR>{
 TM_INLINE int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 // A[M, K] (row-major) → for each block of kKC columns k0 and each block of kMR rows, a kc x kMR
-// k-major tile at PA + k0 * round_up(M, kMR) + (m0 / kMR) * kc * kMR
-static void pack_a(int64_t M, int64_t K, const float* A, float* PA) {
+// k-major tile at PA + k0 * round_up(M, kMR) + (m0 / kMR) * kc * kMR; rows [m_begin, m_end) of A
+// only, m_begin a multiple of kMR (the tiles of other rows are left as they are)
+static void pack_a(int64_t M, int64_t K, const float* A, float* PA, int64_t m_begin = 0, int64_t m_end = -1) {
   const int64_t m_pad = round_up(M, kMR);
+  if (m_end < 0 || m_end > M) m_end = M;
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0);
-    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
       float* tile = PA + k0 * m_pad + (m0 / kMR) * kc * kMR;
       const int64_t m = std::min<int64_t>(kMR, M - m0);
       for (int64_t i = 0; i < m; ++i) {
