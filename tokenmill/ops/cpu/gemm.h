@@ -225,7 +225,7 @@ TM_INLINE int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * t
 // only, m_begin a multiple of kMR (the tiles of other rows are left as they are)
 static void pack_a(int64_t M, int64_t K, const float* A, float* PA, int64_t m_begin = 0, int64_t m_end = -1) {
   const int64_t m_pad = round_up(M, kMR);
-  if (m_end < 0 || m_end > M) m_end = M;
+  if (m_end < 0) m_end = M;
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0);
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
