@@ -1,6 +1,7 @@
 """The C++ linear kernel (ops/cpu/linear.cc) against `linear_ref`, its jnp oracle: y = x . w[layer].
 
-Row counts on both sides of the GEMV / packed-GEMM switch (4 rows) and past a row block, column
+Row counts on both sides of the GEMV / packed-GEMM switch (4 rows), past a row block, and past the
+switch from a split of the columns to one of the rows over the threads (512 rows a thread), column
 counts that are not multiples of a pass (64 / 32 columns), reductions longer than a packed panel,
 negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights row-major
 and in the kernel's strips, and x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and
@@ -55,7 +56,7 @@ def with_and_without_amx(monkeypatch, x, w, scale, wsz):
     return outputs
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 260])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 260, 1100])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_kernel_matches_reference(monkeypatch, M, dtype):
     require_kernel()
@@ -70,21 +71,22 @@ def test_kernel_matches_reference(monkeypatch, M, dtype):
                                             (jnp.int8, True, "1")])
 def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
     """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output, and AMX the
-    same tile sequence for every row: a row's result is bit for bit the same alone or among 260
-    rows (what keeps greedy output batch-invariant; 260 x 300 inputs are packed by all threads)."""
+    same tile sequence for every row: a row's result is bit for bit the same alone, among 260 rows
+    (260 x 300 inputs are packed by all threads, the columns split over them) or among 1100 (the rows
+    split over them): what keeps greedy output batch-invariant."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
     w, scale = stack(9, 2, 300, 200, dtype, 20)
     wsz = 20 if scale is not None else None
-    x = jnp.asarray(np.random.default_rng(10).standard_normal((260, 300)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((1100, 300)), jnp.float32)
     call = jax.jit(lambda x: linear(x, w, 1, scale, wsz, bf16))
     full = np.asarray(call(x))
-    for rows in (1, 3, 4, 5, 13):
+    for rows in (1, 3, 4, 5, 13, 260):
         np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 1100])
 @pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)
 @pytest.mark.parametrize("dtype,bf16,amx", [(jnp.float32, False, "0"), (jnp.int8, False, "0"),
                                             (jnp.float8_e4m3fn, False, "0"), (jnp.int8, True, "1")])

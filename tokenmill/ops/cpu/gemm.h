@@ -489,13 +489,16 @@ static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, fl
 // Rows of A per pass over a packed strip of B: a kMC x kKC block of packed A stays in L2.
 constexpr int64_t kMC = 8 * kMR;
 
-// C[:, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N columns);
-// `panel` holds one packed panel of B (float32 B stored in strips is read in place; in strips,
-// n_begin and n_end are whole strips). `next`, when given, is the B of the GEMM that follows: its first panel is prefetched
-// during the last panel of this one.
+// C[m_begin:m_end, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N
+// columns; m_begin a multiple of kMR, m_end < 0: M); `panel` holds one packed panel of B (float32 B
+// stored in strips is read in place; in strips, n_begin and n_end are whole strips). `next`, when
+// given, is the B of the GEMM that follows: its first panel is prefetched during the last panel of
+// this one.
 static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
-                        int64_t n_begin, int64_t n_end, const Weights* next = nullptr) {
+                        int64_t n_begin, int64_t n_end, const Weights* next = nullptr, int64_t m_begin = 0,
+                        int64_t m_end = -1) {
   const int64_t m_pad = round_up(M, kMR);
+  if (m_end < 0) m_end = M;
   const bool in_place = B.strip_stride != 0 && B.scale == nullptr;  // float32 strips: read where they lie
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kNC) {
     const int64_t nc = std::min(kNC, n_end - n0);
@@ -509,19 +512,19 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
         pf = Prefetch(B, 0, n0 + kNC, std::min(kKC, K), std::min(kNC, n_end - n0 - kNC));
       else if (next != nullptr)
         pf = Prefetch(*next, 0, 0, kKC, std::min(kNC, next->N));
-      for (int64_t mc = 0; mc < M; mc += kMC) {
+      for (int64_t mc = m_begin; mc < m_end; mc += kMC) {
         for (int64_t s = 0; s * kNR < nc; ++s) {
           const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
           const float* strip = in_place ? B.strip_at(k0, n0 + s * kNR) : panel + s * kc * kNR;
-          const int64_t m_end = std::min(M, mc + kMC);
-          for (int64_t m0 = mc; m0 < m_end; m0 += kMR) {
-            const int m = int(std::min<int64_t>(kMR, M - m0));
+          const int64_t mc_end = std::min(m_end, mc + kMC);
+          for (int64_t m0 = mc; m0 < mc_end; m0 += kMR) {
+            const int m = int(std::min<int64_t>(kMR, mc_end - m0));
             // the C tile of the next call, whose rows lie N floats apart (beyond the hardware's
             // prefetchers): in cache by the time that call loads (or stores) it
-            if (m0 + kMR < m_end)
-              prefetch_tile(C + (m0 + kMR) * N + n0 + s * kNR, N, int(std::min<int64_t>(kMR, m_end - m0 - kMR)));
+            if (m0 + kMR < mc_end)
+              prefetch_tile(C + (m0 + kMR) * N + n0 + s * kNR, N, int(std::min<int64_t>(kMR, mc_end - m0 - kMR)));
             else if ((s + 1) * kNR < nc)
-              prefetch_tile(C + mc * N + n0 + (s + 1) * kNR, N, int(std::min<int64_t>(kMR, m_end - mc)));
+              prefetch_tile(C + mc * N + n0 + (s + 1) * kNR, N, int(std::min<int64_t>(kMR, mc_end - mc)));
             kMicroKernels[m - 1](kc, PA + k0 * m_pad + (m0 / kMR) * kc * kMR, strip, in_place ? kStrip : kNR,
                                  C + m0 * N + n0 + s * kNR, N, cols, k0 > 0, pf);
           }
