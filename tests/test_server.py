@@ -318,6 +318,11 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert summary["total_output_tokens"] == 24 and summary["output_tok_s"] > 0
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < summary[f"median_{name}_ms"] <= summary[f"p99_{name}_ms"]
+    sent = [r["sent_s"] for r in summary["requests"]]
+    assert len(sent) == 6 and sent == sorted(sent) and sent[-1] > 0  # a Poisson process: spread in time
+    assert all(0 < r["ttft_s"] <= r["e2el_s"] for r in summary["requests"])
+    # the benchmark waited for the shape buckets to compile (none left compiling afterwards)
+    assert metrics(server.url)["tokenmill:num_ranks_precompiling"] == 0
     assert out.with_suffix(".png").stat().st_size > 1000  # the latency PNG (matplotlib is a test extra)
 
 

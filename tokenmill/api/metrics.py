@@ -41,6 +41,8 @@ class _EngineCoreCollector:
             ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
             ("tokenmill:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)", "kv_cache_usage"),
             ("tokenmill:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens) since start", "prefix_cache_hit_rate"),
+            ("tokenmill:num_ranks_precompiling", "Engine ranks still compiling shape buckets in the background",
+             "num_precompiling"),
         )
         for name, doc, key in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -5,6 +5,10 @@ server takes them, else their text via the server's /detokenize), --output-len n
 `ignore_eos` and `min_tokens`, which tokenmill and vLLM both accept). Requests start at once, bounded
 by --max-concurrency, or as a Poisson process of --request-rate per second.
 
+A tokenmill server compiles its shape buckets in the background while it already serves; the benchmark
+waits for its `tokenmill:num_ranks_precompiling` gauge to reach 0 (servers without it are not waited
+for), so that no timed step stops to compile.
+
 Per request: TTFT (first content chunk), TPOT ((e2e - TTFT) / (tokens - 1)), ITL (gaps between content
 chunks), end-to-end latency. Reported: mean, p50 and p99 of each, output and total tokens/s over the
 benchmark's wall time, and failed requests (counted, never dropped silently). Optionally a JSON file and
@@ -36,6 +40,7 @@ class RequestResult:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    sent: float = 0.0  # perf_counter() when the request was sent
     ttft: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -61,7 +66,7 @@ class BenchClient:
 
     async def request(self, prompt, num_prompt_tokens: int, max_tokens: int | None = None) -> RequestResult:
         result = RequestResult(prompt_tokens=num_prompt_tokens)
-        start = last = time.perf_counter()
+        start = last = result.sent = time.perf_counter()
         chunks = 0
         try:
             async with self.client.stream("POST", self.url, json=self.body(prompt, max_tokens or self.output_len)) as r:
@@ -127,6 +132,27 @@ def _stats(name: str, values: list[float]) -> dict:
             f"p99_{name}_ms": 1000 * p99}
 
 
+PRECOMPILING_GAUGE = "tokenmill:num_ranks_precompiling"
+
+
+async def wait_precompiled(client: httpx.AsyncClient, base: str, timeout_s: float = 900.0) -> None:
+    """Wait until the server's precompiling gauge reads 0; no wait for a server without the gauge."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while True:
+        r = await client.get(f"{base}/metrics")
+        values = [float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+                  if r.status_code == 200 and line.startswith(PRECOMPILING_GAUGE)]
+        if not values or sum(values) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server still compiles its shape buckets after {timeout_s:.0f} s")
+        if not told:
+            print("bench serve: waiting for the server to finish compiling its shape buckets", file=sys.stderr)
+            told = True
+        await asyncio.sleep(0.5)
+
+
 async def benchmark(args) -> tuple[dict, list[RequestResult]]:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -141,6 +167,7 @@ async def benchmark(args) -> tuple[dict, list[RequestResult]]:
             model = r.json()["data"][0]["id"]
         bench = BenchClient(client, base, model, args.output_len)
         prompts = await _prompts(client, args, bench)
+        await wait_precompiled(client, base)
         for _ in range(args.warmup_requests):  # excluded: first-use compiles, connection set-up
             warm = await bench.request(prompts[0], args.input_len, max_tokens=min(4, args.output_len))
             if not warm.ok:
@@ -188,6 +215,10 @@ async def benchmark(args) -> tuple[dict, list[RequestResult]]:
         **_stats("tpot", [r.tpot for r in ok if r.tpot is not None]),
         **_stats("itl", [x for r in ok for x in r.itl]),
         **_stats("e2el", [r.e2e for r in ok]),
+        # each request's send time (s after the run's start), TTFT and end-to-end latency (s), in
+        # send order: shows how the server schedules arrivals, which the percentiles hide
+        "requests": [{"sent_s": round(r.sent - start, 4), "ttft_s": r.ttft and round(r.ttft, 4),
+                      "e2el_s": r.e2e and round(r.e2e, 4)} for r in sorted(results, key=lambda r: r.sent)],
     }
     return summary, results
 

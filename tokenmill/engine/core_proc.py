@@ -262,6 +262,7 @@ class EngineCoreProc:
         stats["num_blocks"] = self.engine.num_blocks
         stats["num_steps"] = self.engine.num_steps
         stats["scheduler_host_time_s"] = self.engine.scheduler_host_time
+        stats["num_precompiling"] = int(self.engine.precompiling())  # summed over ranks: ranks still compiling
         return stats
 
     def _utility_reset_prefix_cache(self) -> bool:
