@@ -60,6 +60,49 @@ TM_INLINE v8f load8(const uint16_t* p) {  // bfloat16 → float32
 
 TM_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
 
+// The vectors the scores and P . V run on: W floats (8, or 16 where the build has AVX-512 and the
+// head size is a multiple of 16: half the multiply-adds and loads of 8-wide ones). `fold` adds the
+// halves of a 16-wide vector into 8 lanes, so that every width ends in the same 8-lane reduction.
+template <int W>
+struct Vec;
+
+template <>
+struct Vec<8> {
+  using type = v8f;
+  TM_INLINE v8f load(const float* p) { return load8(p); }
+  TM_INLINE v8f load(const uint16_t* p) { return load8(p); }
+  TM_INLINE v8f fold(v8f x) { return x; }
+};
+
+#if defined(__AVX512F__)
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+template <>
+struct Vec<16> {
+  using type = v16f;
+  TM_INLINE v16f load(const float* p) {
+    v16f x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  }
+  TM_INLINE v16f load(const uint16_t* p) {  // bfloat16 → float32
+    v16h h;
+    std::memcpy(&h, p, sizeof(h));
+    v16u w = __builtin_convertvector(h, v16u) << 16;
+    return (v16f)w;
+  }
+  TM_INLINE v8f fold(v16f x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+};
+constexpr int kWide = 16;
+#else
+constexpr int kWide = 8;
+#endif
+
 TM_INLINE float to_f32(float x) { return x; }
 
 TM_INLINE float to_f32(uint16_t x) {
@@ -128,23 +171,26 @@ TM_INLINE v8f reduce8(const v8f* a) {
          __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// s[g * kChunk + j] = q[g] · k_j for GN heads and the eight keys k_j = k[j] + off.
-template <int GN, typename KT>
+// s[g * kChunk + j] = q[g] · k_j for GN heads and the eight keys k_j = k[j] + off, on W-wide vectors.
+template <int GN, int W, typename KT>
 TM_INLINE void scores8(const float* q, const KT* const* k, int64_t off, int64_t D, float* s) {
-  v8f a[GN][8];
+  using V = typename Vec<W>::type;
+  V a[GN][8];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 8; ++j) a[g][j] = splat(0.0f);
+    for (int j = 0; j < 8; ++j) a[g][j] = V{};
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    v8f qv[GN];
-    for (int g = 0; g < GN; ++g) qv[g] = load8(q + g * D + d);
+  for (; d + W <= D; d += W) {
+    V qv[GN];
+    for (int g = 0; g < GN; ++g) qv[g] = Vec<W>::load(q + g * D + d);
     for (int j = 0; j < 8; ++j) {
-      const v8f x = load8(k[j] + off + d);
+      const V x = Vec<W>::load(k[j] + off + d);
       for (int g = 0; g < GN; ++g) a[g][j] += qv[g] * x;
     }
   }
   for (int g = 0; g < GN; ++g) {
-    v8f r = reduce8(a[g]);
+    v8f folded[8];
+    for (int j = 0; j < 8; ++j) folded[j] = Vec<W>::fold(a[g][j]);
+    v8f r = reduce8(folded);
     for (int64_t e = d; e < D; ++e)  // head sizes that are not a multiple of 8
       for (int j = 0; j < 8; ++j) r[j] += q[g * D + e] * to_f32(k[j][off + e]);
     store8(s + g * kChunk, r);
@@ -186,53 +232,59 @@ TM_INLINE void prefetch_key(const Prefetch<KT>& pf, int64_t j) {
 
 // Eight keys at a time; the last group repeats the last key (its extra scores land in the chunk's
 // padding, which the softmax masks), so that every score is summed the same way.
-template <int GN, typename KT>
+template <int GN, int W, typename KT>
 static void scores_group(const float* q, const KT* const* kp, int64_t off, int n, int64_t D, float* s,
                          const Prefetch<KT>& pf) {
   for (int j = 0; j < n; j += 8) {
     for (int i = 0; i < 8; ++i) prefetch_key(pf, j + i + kPrefetchAhead);
     if (j + 8 <= n) {
-      scores8<GN>(q, kp + j, off, D, s + j);
+      scores8<GN, W>(q, kp + j, off, D, s + j);
     } else {
       const KT* last[8];
       for (int i = 0; i < 8; ++i) last[i] = kp[std::min(j + i, n - 1)];
-      scores8<GN>(q, last, off, D, s + j);
+      scores8<GN, W>(q, last, off, D, s + j);
     }
   }
 }
 
-// acc[g][d] += sum_j p[g][j] * v_j[d] for GN heads (v_j = vp[j] + off).
-template <int GN, typename KT>
-static void pv_group(const float* p, const KT* const* vp, int64_t off, int n, int64_t D, float* acc) {
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    v8f a0[GN], a1[GN];
-    for (int g = 0; g < GN; ++g) {
-      a0[g] = load8(acc + g * D + d);
-      a1[g] = load8(acc + g * D + d + 8);
-    }
+// Vectors of V per pass over the keys: AVX-512's 32 registers hold 4 x 4 heads' accumulators,
+// AVX2's 16 hold 2 x 4.
+#if defined(__AVX512F__)
+constexpr int kPvVectors = 4;
+#else
+constexpr int kPvVectors = 2;
+#endif
+
+// acc[g][d] += sum_j p[g][j] * v_j[d] over d = d0, d0 + NV * W, ... while NV W-wide vectors fit in
+// D, for GN heads (v_j = vp[j] + off); returns where it stopped. Every element sums its keys in
+// order j = 0, 1, ..., whatever the width.
+template <int GN, int W, int NV, typename KT>
+TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t off, int n, int64_t d0, int64_t D,
+                             float* acc) {
+  using V = typename Vec<W>::type;
+  int64_t d = d0;
+  for (; d + NV * W <= D; d += NV * W) {
+    V a[NV][GN];
+    for (int g = 0; g < GN; ++g)
+      for (int v = 0; v < NV; ++v) a[v][g] = Vec<W>::load(acc + g * D + d + v * W);
     for (int j = 0; j < n; ++j) {
-      v8f x0 = load8(vp[j] + off + d), x1 = load8(vp[j] + off + d + 8);
+      V x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
       for (int g = 0; g < GN; ++g) {
-        v8f w = splat(p[g * kChunk + j]);
-        a0[g] += w * x0;
-        a1[g] += w * x1;
+        const V w = V{} + p[g * kChunk + j];
+        for (int v = 0; v < NV; ++v) a[v][g] += w * x[v];
       }
     }
-    for (int g = 0; g < GN; ++g) {
-      store8(acc + g * D + d, a0[g]);
-      store8(acc + g * D + d + 8, a1[g]);
-    }
+    for (int g = 0; g < GN; ++g)
+      for (int v = 0; v < NV; ++v) std::memcpy(acc + g * D + d + v * W, &a[v][g], sizeof(V));
   }
-  for (; d + 8 <= D; d += 8) {
-    v8f a0[GN];
-    for (int g = 0; g < GN; ++g) a0[g] = load8(acc + g * D + d);
-    for (int j = 0; j < n; ++j) {
-      v8f x0 = load8(vp[j] + off + d);
-      for (int g = 0; g < GN; ++g) a0[g] += splat(p[g * kChunk + j]) * x0;
-    }
-    for (int g = 0; g < GN; ++g) store8(acc + g * D + d, a0[g]);
-  }
+  return d;
+}
+
+template <int GN, int W, typename KT>
+static void pv_group(const float* p, const KT* const* vp, int64_t off, int n, int64_t D, float* acc) {
+  int64_t d = pv_vectors<GN, W, kPvVectors>(p, vp, off, n, 0, D, acc);
+  d = pv_vectors<GN, W, 1>(p, vp, off, n, d, D, acc);
   for (; d < D; ++d) {
     for (int g = 0; g < GN; ++g) {
       float a = acc[g * D + d];
@@ -242,7 +294,7 @@ static void pv_group(const float* p, const KT* const* vp, int64_t off, int n, in
   }
 }
 
-template <typename KT>
+template <int W, typename KT>
 static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, int64_t G, int64_t D, float* s,
                        const Prefetch<KT>& pf) {
   const Prefetch<KT> none;
@@ -251,25 +303,25 @@ static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, 
     float* sg = s + g0 * kChunk;
     const Prefetch<KT>& p = g0 == 0 ? pf : none;  // the first pass over the keys prefetches
     switch (std::min<int64_t>(kScoreGroup, G - g0)) {
-      case 1: scores_group<1>(qg, kp, off, n, D, sg, p); break;
+      case 1: scores_group<1, W>(qg, kp, off, n, D, sg, p); break;
 #if defined(__AVX512F__)
-      case 2: scores_group<2>(qg, kp, off, n, D, sg, p); break;
-      default: scores_group<3>(qg, kp, off, n, D, sg, p); break;
+      case 2: scores_group<2, W>(qg, kp, off, n, D, sg, p); break;
+      default: scores_group<3, W>(qg, kp, off, n, D, sg, p); break;
 #endif
     }
   }
 }
 
-template <typename KT>
+template <int W, typename KT>
 static void pv_all(const float* p, const KT* const* vp, int64_t off, int n, int64_t G, int64_t D, float* acc) {
   for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
     const float* pg = p + g0 * kChunk;
     float* ag = acc + g0 * D;
     switch (std::min<int64_t>(kMaxGroup, G - g0)) {
-      case 1: pv_group<1>(pg, vp, off, n, D, ag); break;
-      case 2: pv_group<2>(pg, vp, off, n, D, ag); break;
-      case 3: pv_group<3>(pg, vp, off, n, D, ag); break;
-      default: pv_group<4>(pg, vp, off, n, D, ag); break;
+      case 1: pv_group<1, W>(pg, vp, off, n, D, ag); break;
+      case 2: pv_group<2, W>(pg, vp, off, n, D, ag); break;
+      case 3: pv_group<3, W>(pg, vp, off, n, D, ag); break;
+      default: pv_group<4, W>(pg, vp, off, n, D, ag); break;
     }
   }
 }
@@ -303,8 +355,8 @@ struct Scratch {
 // One work item: token t and kv heads [kh0, kh0 + span) → out[t, kh0*G : (kh0+span)*G, :].
 // All kv heads of a slot lie side by side in the cache, so an item over every kv head reads each
 // block as one contiguous stretch (prefetcher-friendly); single kv heads give more items when
-// there are few tokens.
-template <typename QT, typename KT>
+// there are few tokens. W: the width of the vectors that q meets K and P meets V on.
+template <int W, typename QT, typename KT>
 static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out, int64_t item,
                    Scratch<KT>& sc) {
   const int64_t items_per_token = pb.KVH / pb.span;
@@ -339,12 +391,13 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   if (int64_t(sc.kp.size()) < len) sc.kp.resize(len), sc.vp.resize(len);
   const KT** kp = sc.kp.data();
   const KT** vp = sc.vp.data();
-  for (int64_t p = lo; p <= hi; ++p) {  // the slot of each visible key (all kv heads)
+  for (int64_t p = lo; p <= hi;) {  // the slot of each visible key (all kv heads), block by block
     const int64_t bi = p / pb.B;
-    const int64_t blk = wrap_clamp(table[bi], pb.N);
-    const int64_t off = layer_base + (blk * pb.B + (p - bi * pb.B)) * row_stride;
-    kp[p - lo] = kc + off;
-    vp[p - lo] = vc + off;
+    const int64_t first = layer_base + (wrap_clamp(table[bi], pb.N) - bi) * pb.B * row_stride;  // + p * row_stride
+    for (const int64_t end = std::min(hi, (bi + 1) * pb.B - 1); p <= end; ++p) {
+      kp[p - lo] = kc + (first + p * row_stride);
+      vp[p - lo] = vc + (first + p * row_stride);
+    }
   }
   const int64_t item_bytes = int64_t(sizeof(KT)) * pb.span * D;
   for (int64_t j = 0; j < std::min<int64_t>(kPrefetchAhead, len); ++j) {
@@ -360,14 +413,19 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     } else {
       const Prefetch<KT> pf{ck, cv, hi - c0 + 1, kh0 * D, item_bytes};
       for (int64_t k = 0; k < pb.span; ++k)
-        scores_all<KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{});
+        scores_all<W, KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{});
     }
     const int padded = (n + 7) & ~7;
     for (int64_t g = 0; g < heads; ++g) {
       float* sg = s + g * kChunk;
       std::fill(sg + n, sg + padded, -std::numeric_limits<float>::infinity());
-      float cmax = sg[0];
-      for (int j = 1; j < n; ++j) cmax = std::max(cmax, sg[j]);
+      v8f vmax = load8(sg);
+      for (int j = 8; j < padded; j += 8) {
+        const v8f x = load8(sg + j);
+        vmax = x > vmax ? x : vmax;
+      }
+      float cmax = vmax[0];
+      for (int j = 1; j < 8; ++j) cmax = std::max(cmax, vmax[j]);
       const float mnew = std::max(m[g], cmax);
       const float alpha = std::exp(m[g] - mnew);  // 0 on the first chunk (m = -inf)
       v8f vsum = splat(0.0f);
@@ -384,7 +442,7 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
       }
     }
     for (int64_t k = 0; k < pb.span; ++k)
-      pv_all<KT>(s + k * G * kChunk, cv, (kh0 + k) * D, n, G, D, acc + k * G * D);
+      pv_all<W, KT>(s + k * G * kChunk, cv, (kh0 + k) * D, n, G, D, acc + k * G * D);
   }
   const float* sink = pb.sinks + kh0 * G;
   for (int64_t g = 0; g < heads; ++g) {
@@ -394,15 +452,25 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   }
 }
 
+template <int W, typename QT, typename KT>
+static void run_width(ffi::ThreadPool& pool, const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
+  const int64_t items = pb.T * (pb.KVH / pb.span);
+  parallel_for<Scratch<KT>>(
+      pool, items, [&pb] { return std::make_unique<Scratch<KT>>(pb); },
+      [&](int64_t i, Scratch<KT>& scratch) { attend<W, QT, KT>(pb, q, kc, vc, out, i, scratch); },
+      /*spin=*/pb.T <= 4);  // decoding a few sequences: short calls between the projections' GEMVs
+}
+
 template <typename QT, typename KT>
 static void run(ffi::ThreadPool& pool, Problem pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
   const int64_t threads_available = std::max<int64_t>(1, pool.num_threads());
   pb.span = pb.T >= 4 * threads_available ? pb.KVH : 1;
-  const int64_t items = pb.T * (pb.KVH / pb.span);
-  parallel_for<Scratch<KT>>(
-      pool, items, [&pb] { return std::make_unique<Scratch<KT>>(pb); },
-      [&](int64_t i, Scratch<KT>& scratch) { attend<QT, KT>(pb, q, kc, vc, out, i, scratch); },
-      /*spin=*/pb.T <= 4);  // decoding a few sequences: short calls between the projections' GEMVs
+  // 16-wide where the head size allows: SmolLM2 decoding at batch 64, 30 layers of 168 keys, 30.2 ->
+  // 27.6 ms (19.3 -> 16.6 with the keys in cache)
+  if (pb.D % kWide == 0)
+    run_width<kWide>(pool, pb, q, kc, vc, out);
+  else
+    run_width<8>(pool, pb, q, kc, vc, out);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
