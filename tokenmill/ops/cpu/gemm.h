@@ -39,7 +39,7 @@ typedef float vf __attribute__((vector_size(kVW * sizeof(float))));
 constexpr int kNV = 2;
 constexpr int kNR = kNV * kVW;
 constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
-constexpr int64_t kKC = 256;  // rows of B per packed panel
+constexpr int64_t kKC = 256;  // rows of B per packed panel, at most
 constexpr int64_t kNC = 256;  // columns of B per packed panel (kKC x kNC floats: 256 KiB, L2-sized)
 // Weights may also be stored in strips (linear.cc's layout, made at load time): strips of kStrip
 // columns, each K x kStrip contiguous, so that the micro-kernel reads float32 ones in place and a
@@ -220,14 +220,22 @@ constexpr auto kMicroKernels = micro_table(std::make_integer_sequence<int, kMR>{
 
 TM_INLINE int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// A[M, K] (row-major) → for each block of kKC columns k0 and each block of kMR rows, a kc x kMR
-// k-major tile at PA + k0 * round_up(M, kMR) + (m0 / kMR) * kc * kMR; rows [m_begin, m_end) of A
-// only, m_begin a multiple of kMR (the tiles of other rows are left as they are)
+// Rows of B per panel: K cut into equal panels of at most kKC rows (576 = 3 x 192, not 256 + 256 +
+// 64), so that every panel's arithmetic is long enough to cover the prefetch of the next one.
+TM_INLINE int64_t panel_depth(int64_t K) {
+  const int64_t panels = (K + kKC - 1) / kKC;
+  return (K + panels - 1) / panels;
+}
+
+// A[M, K] (row-major) → for each panel of columns k0 (panel_depth(K) of them) and each block of kMR
+// rows, a kc x kMR k-major tile at PA + k0 * round_up(M, kMR) + (m0 / kMR) * kc * kMR; rows
+// [m_begin, m_end) of A only, m_begin a multiple of kMR (the tiles of other rows are left as they are)
 static void pack_a(int64_t M, int64_t K, const float* A, float* PA, int64_t m_begin = 0, int64_t m_end = -1) {
   const int64_t m_pad = round_up(M, kMR);
+  const int64_t depth = panel_depth(K);
   if (m_end < 0) m_end = M;
-  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-    const int64_t kc = std::min(kKC, K - k0);
+  for (int64_t k0 = 0; k0 < K; k0 += depth) {
+    const int64_t kc = std::min(depth, K - k0);
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
       float* tile = PA + k0 * m_pad + (m0 / kMR) * kc * kMR;
       const int64_t m = std::min<int64_t>(kMR, M - m0);
@@ -489,29 +497,37 @@ static void gemv_rows(int64_t M, int64_t K, const float* x, const Weights& B, fl
 // Rows of A per pass over a packed strip of B: a kMC x kKC block of packed A stays in L2.
 constexpr int64_t kMC = 8 * kMR;
 
+// What the caller multiplies next, if it knows: columns [n_begin, n_end) of a B[K, N] (another
+// matrix, or other columns of this one), whose first panel gemm_packed prefetches during its last.
+struct NextBlock {
+  const Weights* B = nullptr;
+  int64_t n_begin = 0, n_end = 0, K = 0;
+};
+
 // C[m_begin:m_end, n_begin:n_end] = A . B[:, n_begin:n_end] for A packed by pack_a (C row-major, N
 // columns; m_begin a multiple of kMR, m_end < 0: M); `panel` holds one packed panel of B (float32 B
-// stored in strips is read in place; in strips, n_begin and n_end are whole strips). `next`, when
-// given, is the B of the GEMM that follows: its first panel is prefetched during the last panel of
-// this one.
+// stored in strips is read in place; in strips, n_begin and n_end are whole strips). Each panel of
+// B is prefetched while the one before it is multiplied; the first, while the caller's previous
+// call (`next` there) ran.
 static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const Weights& B, float* C, float* panel,
-                        int64_t n_begin, int64_t n_end, const Weights* next = nullptr, int64_t m_begin = 0,
+                        int64_t n_begin, int64_t n_end, const NextBlock& next = {}, int64_t m_begin = 0,
                         int64_t m_end = -1) {
   const int64_t m_pad = round_up(M, kMR);
+  const int64_t depth = panel_depth(K);
   if (m_end < 0) m_end = M;
   const bool in_place = B.strip_stride != 0 && B.scale == nullptr;  // float32 strips: read where they lie
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kNC) {
     const int64_t nc = std::min(kNC, n_end - n0);
-    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-      const int64_t kc = std::min(kKC, K - k0);
+    for (int64_t k0 = 0; k0 < K; k0 += depth) {
+      const int64_t kc = std::min(depth, K - k0);
       if (!in_place) pack_b(kc, nc, B, k0, n0, panel);
       Prefetch pf;
-      if (k0 + kKC < K)
-        pf = Prefetch(B, k0 + kKC, n0, std::min(kKC, K - k0 - kKC), nc);
+      if (k0 + depth < K)
+        pf = Prefetch(B, k0 + depth, n0, std::min(depth, K - k0 - depth), nc);
       else if (n0 + kNC < n_end)
-        pf = Prefetch(B, 0, n0 + kNC, std::min(kKC, K), std::min(kNC, n_end - n0 - kNC));
-      else if (next != nullptr)
-        pf = Prefetch(*next, 0, 0, kKC, std::min(kNC, next->N));
+        pf = Prefetch(B, 0, n0 + kNC, depth, std::min(kNC, n_end - n0 - kNC));
+      else if (next.B != nullptr)
+        pf = Prefetch(*next.B, 0, next.n_begin, panel_depth(next.K), std::min(kNC, next.n_end - next.n_begin));
       for (int64_t mc = m_begin; mc < m_end; mc += kMC) {
         for (int64_t s = 0; s * kNR < nc; ++s) {
           const int cols = int(std::min<int64_t>(kNR, nc - s * kNR));
@@ -536,14 +552,14 @@ static void gemm_packed(int64_t M, int64_t N, int64_t K, const float* PA, const 
 
 // C[M, N] = A[M, K] . B[K, N], all row-major (leading dimensions K, N, N).
 static void gemm(int64_t M, int64_t N, int64_t K, const float* A, const Weights& B, float* C, GemmBuffers& buf,
-                 const Weights* next = nullptr) {
+                 const NextBlock& next = {}) {
   pack_a(M, K, A, buf.a.data());
   gemm_packed(M, N, K, buf.a.data(), B, C, buf.b.data(), 0, N, next);
 }
 
 // C = A . B by whichever of gemv (up to kGemvRows rows) and gemm suits M.
 static void matmul(int64_t M, int64_t N, int64_t K, const float* A, const Weights& B, float* C, GemmBuffers& buf,
-                   const Weights* next = nullptr) {
+                   const NextBlock& next = {}) {
   if (M <= kGemvRows)
     gemv_rows(M, K, A, B, C, 0, N);
   else

@@ -20,7 +20,8 @@
 // The columns are cut into blocks (about four per thread) that the calling thread and its helpers
 // claim (parallel.h: for the GEMV's short calls, helpers that spin between calls). Up to kGemvRows
 // rows (decoding) each block streams its weights straight through gemv; more rows pack A once and
-// run gemm.h's blocked GEMM over each block. From kRowChunkRows rows a thread on (prefills), the rows
+// run gemm.h's blocked GEMM over each block, each thread claiming its next block ahead and
+// prefetching that block's first weights. From kRowChunkRows rows a thread on (prefills), the rows
 // are cut into chunks instead, each packed and multiplied by all of B. The layer index
 // follows jnp indexing: negative wraps once, then it is clamped into range.
 //
@@ -197,7 +198,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
         [&](int64_t i, NoState&) {
           const int64_t m_begin = i * rows, m_end = std::min(M, (i + 1) * rows);
           pack_a(M, K, xp, pa, m_begin, m_end);
-          gemm_packed(M, N, K, pa, weights, out, thread_panel(), 0, N, nullptr, m_begin, m_end);
+          gemm_packed(M, N, K, pa, weights, out, thread_panel(), 0, N, {}, m_begin, m_end);
         });
     return ffi::Error::Success();
   }
@@ -211,8 +212,12 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   }
   parallel_for<NoState>(
       pool, blocks, [] { return std::make_unique<NoState>(); },
-      [&](int64_t i, NoState&) {
-        gemm_packed(M, N, K, pa, weights, out, thread_panel(), i * block, std::min(N, (i + 1) * block));
+      [&](int64_t i, int64_t following, NoState&) {
+        // the block this thread multiplies next: its first panel streams in during this block's last
+        // (SmolLM2's projections at 64 rows: 197 -> 207 GFLOP/s, with panels of equal depth)
+        NextBlock next;
+        if (following >= 0) next = {&weights, following * block, std::min(N, (following + 1) * block), K};
+        gemm_packed(M, N, K, pa, weights, out, thread_panel(), i * block, std::min(N, (i + 1) * block), next);
       });
   return ffi::Error::Success();
 }

@@ -145,8 +145,8 @@ static void run_item(const Problem& pb, int64_t item, Scratch& s, float* rows) {
   const Weights gate = pb.w1.at(e * 2 * D * F, e * 2 * (D / wsz) * F);
   const Weights up = gate.at(D * F, (D / wsz) * F);
   const Weights down = pb.w2.at(e * F * D, e * (F / wsz) * D);
-  matmul(n, F, D, s.x.data(), gate, s.gate.data(), s.gemm, &up);
-  matmul(n, F, D, s.x.data(), up, s.up.data(), s.gemm, &down);
+  matmul(n, F, D, s.x.data(), gate, s.gate.data(), s.gemm, {&up, 0, F, D});
+  matmul(n, F, D, s.x.data(), up, s.up.data(), s.gemm, {&down, 0, D, F});
   const float* bg = pb.b1 + e * 2 * F;
   const float* bu = bg + F;
   const auto gate_rows_of = pb.act == kSilu       ? gate_rows<kSilu>

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -100,6 +101,8 @@ struct ParallelRun {
 
 // Runs body(item, state) for every item in [0, items). Each thread that claims an item first makes
 // its own state with make(); the states come back to the caller (to combine per-thread results).
+// A body that takes (item, following, state) is told the item its thread runs after this one (-1:
+// none): each thread claims one item ahead, so that the body can prefetch for it.
 // `spin`: the helpers are SpinningHelpers (short calls, one after the other), else pool tasks.
 template <typename State, typename Make, typename Body>
 std::vector<std::unique_ptr<State>> parallel_for(xla::ffi::ThreadPool& pool, int64_t items, const Make& make,
@@ -112,11 +115,16 @@ std::vector<std::unique_ptr<State>> parallel_for(xla::ffi::ThreadPool& pool, int
   auto work = [run, make_ptr, body_ptr]() {
     std::unique_ptr<State> state;
     int64_t mine = 0;
-    for (;;) {
-      const int64_t i = run->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= run->total) break;
+    for (int64_t i = run->next.fetch_add(1, std::memory_order_relaxed); i < run->total;) {
       if (!state) state = (*make_ptr)();
-      (*body_ptr)(i, *state);
+      if constexpr (std::is_invocable_v<const Body&, int64_t, int64_t, State&>) {
+        const int64_t following = run->next.fetch_add(1, std::memory_order_relaxed);
+        (*body_ptr)(i, following < run->total ? following : -1, *state);
+        i = following;
+      } else {
+        (*body_ptr)(i, *state);
+        i = run->next.fetch_add(1, std::memory_order_relaxed);
+      }
       ++mine;
     }
     if (mine == 0) return;
