@@ -1,6 +1,7 @@
 """On-device sampler: logits [R, V] -> sampled ids (and requested logprobs), inside jit.
 
-Plain `jnp`, static shapes. Three compile-time variants (`mode`):
+Plain `jnp`, static shapes; greedy rows' argmax by a C++ kernel on CPU (ops/cpu/argmax.py: XLA's
+own is a single-threaded scalar reduce). Three compile-time variants (`mode`):
 
 - "greedy": argmax of the raw logits. The fast path when every row is greedy with no penalties
   and no logit bias: no sort, no noise, no penalty scatter.
@@ -31,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tokenmill.ops.cpu.argmax import greedy_ids
 from tokenmill.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 MODES = ("greedy", "random", "random_penalties")
@@ -247,7 +249,7 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     v = logits.shape[-1]
     temp = md.temperature.astype(jnp.float32)
     is_greedy = temp < SAMPLING_EPS
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_ids(logits)
 
     x = logits / jnp.where(is_greedy, 1.0, temp)[:, None]
     x = apply_min_p(x, jnp.where(is_greedy, 0.0, md.min_p))
@@ -259,7 +261,7 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     x = jax.lax.cond(any_filter, apply_top_k_top_p, lambda x, k, p: x, x, top_k, top_p)
 
     random_ids = gumbel_max_sample(x, md.seeds, md.steps)
-    return jnp.where(is_greedy, greedy_ids, random_ids)
+    return jnp.where(is_greedy, greedy, random_ids)
 
 
 # ----------------------------------------------------------------------------- logprobs
@@ -307,7 +309,7 @@ def sample(
     logits = logits.astype(jnp.float32)
 
     if mode == "greedy":
-        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        sampled = greedy_ids(logits)
     else:
         processed = apply_logit_bias(logits, md)
         if mode == "random_penalties":

@@ -51,6 +51,7 @@ PAGED_ATTENTION = Kernel("tokenmill_paged_attention", "TokenmillPagedAttention",
 MOE_EXPERTS = Kernel("tokenmill_moe_experts", "TokenmillMoeExperts", "moe_experts.cc")
 LINEAR = Kernel("tokenmill_linear", "TokenmillLinear", "linear.cc")
 LAZY_ZEROS = Kernel("tokenmill_lazy_zeros", "TokenmillLazyZeros", "lazy_zeros.cc")
+ARGMAX = Kernel("tokenmill_argmax", "TokenmillArgmax", "argmax.cc")
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -202,7 +203,7 @@ def build_error(kernel: Kernel = PAGED_ATTENTION) -> str | None:
     return _errors.get(kernel.target)
 
 
-KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS)
+KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS, ARGMAX)
 
 
 def _build_one(kernel: Kernel) -> str:
