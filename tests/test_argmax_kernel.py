@@ -54,3 +54,18 @@ def test_greedy_sampling_takes_the_kernel_on_cpu():
     assert "tokenmill_argmax" in jax.jit(cpu_argmax.greedy_ids).lower(x).as_text()
     assert not cpu_argmax.usable_for(x.astype(jnp.bfloat16))  # other dtypes: jnp.argmax
     np.testing.assert_array_equal(np.asarray(cpu_argmax.greedy_ids(x.astype(jnp.bfloat16))), [0, 0])
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_narrower_builds_match_jnp_argmax(monkeypatch, isa):
+    """The build without AVX2 and the AVX2 one without AVX-512 (8-wide vectors) give the same ids."""
+    from tokenmill.ops.cpu import build
+
+    monkeypatch.setattr(build, "isa_flags", lambda: () if isa == "portable" else ("-mavx2", "-mfma"))
+    kernel = build.Kernel(f"tokenmill_argmax_{isa}", ARGMAX.symbol, ARGMAX.source)
+    assert load(kernel), build.build_error(kernel)
+    x = np.random.default_rng(5).standard_normal((9, 1003)).astype(np.float32)
+    x[1, 500] = np.nan
+    x[2, [7, 900]] = 50.0
+    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct((9,), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1)))
