@@ -40,10 +40,8 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 
 #define TM_INLINE static inline __attribute__((always_inline))
 
-constexpr int kChunk = 64;  // keys per online-softmax step (a multiple of 8)
+constexpr int kChunk = 64;  // keys per online-softmax step (a multiple of 16, the widest vector)
 constexpr int kMaxGroup = 4;  // query heads that meet each V row together (P . V)
-
-TM_INLINE v8f splat(float x) { return v8f{} + x; }
 
 TM_INLINE v8f load8(const float* p) {
   v8f x;
@@ -69,6 +67,7 @@ struct Vec;
 template <>
 struct Vec<8> {
   using type = v8f;
+  using itype = v8i;
   TM_INLINE v8f load(const float* p) { return load8(p); }
   TM_INLINE v8f load(const uint16_t* p) { return load8(p); }
   TM_INLINE v8f fold(v8f x) { return x; }
@@ -76,12 +75,14 @@ struct Vec<8> {
 
 #if defined(__AVX512F__)
 typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
 template <>
 struct Vec<16> {
   using type = v16f;
+  using itype = v16i;
   TM_INLINE v16f load(const float* p) {
     v16f x;
     std::memcpy(&x, p, sizeof(x));
@@ -129,28 +130,31 @@ TM_INLINE float hsum(v8f x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
-// exp for x <= 0 (Cephes expf: ~1 ulp); x below the float range, and -inf, give 0.
-TM_INLINE v8f exp8(v8f x) {
-  const v8f lo = splat(-87.33654f);
-  v8i under = x < lo;
+// exp for x <= 0 (Cephes expf: ~1 ulp), on W-wide vectors; x below the float range, and -inf, give 0.
+template <int W>
+TM_INLINE typename Vec<W>::type expv(typename Vec<W>::type x) {
+  using V = typename Vec<W>::type;
+  using I = typename Vec<W>::itype;
+  const V lo = V{} - 87.33654f;
+  I under = x < lo;
   x = under ? lo : x;
-  v8f t = x * 1.44269504088896341f + 0.5f;
-  v8f tf = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
+  V t = x * 1.44269504088896341f + 0.5f;
+  V tf = __builtin_convertvector(__builtin_convertvector(t, I), V);
   tf = tf > t ? tf - 1.0f : tf;  // floor
-  v8i n = __builtin_convertvector(tf, v8i);
+  I n = __builtin_convertvector(tf, I);
   x = x - tf * 0.693359375f;
   x = x + tf * 2.12194440e-4f;
-  v8f z = x * x;
-  v8f y = splat(1.9875691500e-4f);
+  V z = x * x;
+  V y = V{} + 1.9875691500e-4f;
   y = y * x + 1.3981999507e-3f;
   y = y * x + 8.3334519073e-3f;
   y = y * x + 4.1665795894e-2f;
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  v8i e = (n + 127) << 23;
-  y = y * (v8f)e;
-  return under ? splat(0.0f) : y;
+  I e = (n + 127) << 23;
+  y = y * (V)e;
+  return under ? V{} : y;
 }
 
 // Eight vectors of partial sums → the vector of their eight totals, each summed in the same order
@@ -415,26 +419,27 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
       for (int64_t k = 0; k < pb.span; ++k)
         scores_all<W, KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{});
     }
-    const int padded = (n + 7) & ~7;
+    using V = typename Vec<W>::type;
+    const int padded = (n + W - 1) / W * W;  // kChunk is a multiple of W: within the head's scores
     for (int64_t g = 0; g < heads; ++g) {
       float* sg = s + g * kChunk;
       std::fill(sg + n, sg + padded, -std::numeric_limits<float>::infinity());
-      v8f vmax = load8(sg);
-      for (int j = 8; j < padded; j += 8) {
-        const v8f x = load8(sg + j);
+      V vmax = Vec<W>::load(sg);
+      for (int j = W; j < padded; j += W) {
+        const V x = Vec<W>::load(sg + j);
         vmax = x > vmax ? x : vmax;
       }
       float cmax = vmax[0];
-      for (int j = 1; j < 8; ++j) cmax = std::max(cmax, vmax[j]);
+      for (int j = 1; j < W; ++j) cmax = std::max(cmax, vmax[j]);
       const float mnew = std::max(m[g], cmax);
       const float alpha = std::exp(m[g] - mnew);  // 0 on the first chunk (m = -inf)
-      v8f vsum = splat(0.0f);
-      for (int j = 0; j < padded; j += 8) {
-        v8f e = exp8(load8(sg + j) - mnew);
-        store8(sg + j, e);
+      V vsum{};
+      for (int j = 0; j < padded; j += W) {
+        const V e = expv<W>(Vec<W>::load(sg + j) - mnew);
+        std::memcpy(sg + j, &e, sizeof(e));
         vsum += e;
       }
-      l[g] = l[g] * alpha + hsum(vsum);
+      l[g] = l[g] * alpha + hsum(Vec<W>::fold(vsum));
       m[g] = mnew;
       if (alpha != 1.0f) {
         float* ag = acc + g * D;
