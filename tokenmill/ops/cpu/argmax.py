@@ -1,6 +1,6 @@
 """Greedy sampling's argmax by the C++ kernel (argmax.cc) on CPU: the same ids as
 `jnp.argmax(logits, axis=-1)` (first index of the maximum; a NaN counts as the maximum), without
-XLA's single-threaded scalar reduce (4.5 ms for a 64 x 49152 batch of logits, against ~0.3)."""
+XLA's single-threaded scalar reduce (4.5 ms for a 64 x 49152 batch of logits, against 0.55)."""
 
 from __future__ import annotations
 
