@@ -348,6 +348,18 @@ def test_gguf_quant_types_dequantize(tiny, tmp_path):
             np.testing.assert_array_equal(ours, _roundtrip(w, qtype).T, err_msg=what)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("blocks", [1, 7, (1 << 15) + 3])
+def test_whole_tensor_dequantize_is_bit_equal_to_gguf_quants(qtype, blocks):
+    """The fast path against gguf.quants on arbitrary bytes (any scale, inf and NaN included), across
+    the chunk boundary."""
+    from tokenmill.model.loader.gguf_reader import dequantize_q4_1_q8_0
+
+    raw = np.random.default_rng(blocks).integers(0, 256, (blocks, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)
+    with np.errstate(invalid="ignore"):  # inf scales times zero
+        np.testing.assert_array_equal(dequantize_q4_1_q8_0(raw, qtype), gguf.quants.dequantize(raw, qtype).reshape(-1))
+
+
 # one kept type per projection (the same in every layer); the untied LM head in Q8_0
 KEPT_TYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1,
               "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0}

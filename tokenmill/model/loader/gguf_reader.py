@@ -148,8 +148,39 @@ class GGUFFile:
     def dequantize(self, name: str) -> np.ndarray:
         """float32 array in numpy order ([out, in] for a linear weight)."""
         info = self.tensors[name]
-        out = dequantize(self.raw(name), GGMLQuantizationType(info.qtype))
+        qtype = GGMLQuantizationType(info.qtype)
+        raw = self.raw(name)
+        out = dequantize_q4_1_q8_0(raw, qtype) if qtype in _WHOLE_TENSOR else dequantize(raw, qtype)
         return out.reshape(info.shape)
+
+
+_WHOLE_TENSOR = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+_BLOCKS_AT_A_TIME = 1 << 15  # bounds the temporaries (a million values)
+
+
+def dequantize_q4_1_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Q4_1 or Q8_0 blocks → float32 values [blocks * 32], with gguf.quants' arithmetic (bit for bit)
+    but over many blocks per numpy call: gguf.quants runs it 16 rows at a time (a 1536x576 Q4_1
+    tensor took 7.9 ms there, 2.6 ms here; SmolLM2 has 210 of them and a Q8_0 embedding)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, size)
+    out = np.empty((blocks.shape[0], block), np.float32)
+    for b0 in range(0, blocks.shape[0], _BLOCKS_AT_A_TIME):
+        chunk = blocks[b0 : b0 + _BLOCKS_AT_A_TIME]
+        values = out[b0 : b0 + len(chunk)]
+        d = chunk[:, :2].view(np.float16).astype(np.float32)
+        if qtype == GGMLQuantizationType.Q8_0:  # d, then 32 int8: x * d
+            values[...] = chunk[:, 2:].view(np.int8)
+            values *= d
+        else:  # d, m, then 16 bytes: values 0-15 in the low nibbles, 16-31 in the high ones: d * q + m
+            qs = chunk[:, 4:]
+            q = np.empty((len(chunk), block), np.uint8)
+            np.bitwise_and(qs, np.uint8(0x0F), out=q[:, : block // 2])
+            np.right_shift(qs, np.uint8(4), out=q[:, block // 2 :])
+            values[...] = q
+            values *= d
+            values += chunk[:, 2:4].view(np.float16).astype(np.float32)
+    return out.reshape(-1)
 
 
 def _nbytes(shape: tuple[int, ...], qtype: int) -> int:
