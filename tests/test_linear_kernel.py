@@ -4,8 +4,8 @@ Row counts on both sides of the GEMV / packed-GEMM switch (4 rows), past a row b
 switch from a split of the columns to one of the rows over the threads (512 rows a thread), column
 counts that are not multiples of a pass (64 / 32 columns), reductions longer than a packed panel,
 negative and out-of-range layer indices (jnp's wrap-then-clamp), float32 and 8-bit weights row-major
-and in the kernel's strips, and x rounded to bfloat16 (`bf16`, --quantization w8a16) on AMX tiles and
-on the float32 path.
+and in the kernel's strips, and x rounded to bfloat16 (`bf16`, --quantization w8a16) with the CPU's
+bfloat16 dot products (AMX tiles or AVX512-BF16) and on the float32 path.
 """
 
 from __future__ import annotations
@@ -41,17 +41,17 @@ def both(monkeypatch, x, w, layer, scale, wsz, bf16=False):
     return kernel, ref
 
 
-def cpu_has_amx() -> bool:
-    """What amx_bf16.h needs: the tiles, and the AVX-512 conversions that feed them."""
-    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= build._cpu_flags()
+def cpu_has_bf16_dot() -> bool:
+    """What bf16_pack.h needs (AVX512-BF16); amx_bf16.h's tiles come on top where the CPU has them."""
+    return {"avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= build._cpu_flags()
 
 
-def with_and_without_amx(monkeypatch, x, w, scale, wsz):
-    """(TOKENMILL_CPU_AMX=1, =0) outputs of the bf16 kernel on layer 0."""
+def with_and_without_dot(monkeypatch, x, w, scale, wsz):
+    """(TOKENMILL_CPU_BF16_DOT=1, =0) outputs of the bf16 kernel on layer 0."""
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     outputs = []
-    for amx in ("1", "0"):
-        monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+    for dot in ("1", "0"):
+        monkeypatch.setenv("TOKENMILL_CPU_BF16_DOT", dot)
         outputs.append(np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, wsz, bf16=True))(x)))
     return outputs
 
@@ -67,16 +67,16 @@ def test_kernel_matches_reference(monkeypatch, M, dtype):
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
 
 
-@pytest.mark.parametrize("dtype,bf16,amx", [(jnp.float32, False, "0"), (jnp.int8, False, "0"), (jnp.int8, True, "0"),
+@pytest.mark.parametrize("dtype,bf16,dot", [(jnp.float32, False, "0"), (jnp.int8, False, "0"), (jnp.int8, True, "0"),
                                             (jnp.int8, True, "1")])
-def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
-    """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output, and AMX the
-    same tile sequence for every row: a row's result is bit for bit the same alone, among 260 rows
+def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, dot):
+    """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output, and the bf16
+    dot products the same sequence for every row: a row's result is bit for bit the same alone, among 260 rows
     (260 x 300 inputs are packed by all threads, the columns split over them) or among 1100 (the rows
     split over them): what keeps greedy output batch-invariant."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
-    monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+    monkeypatch.setenv("TOKENMILL_CPU_BF16_DOT", dot)
     w, scale = stack(9, 2, 300, 200, dtype, 20)
     wsz = 20 if scale is not None else None
     x = jnp.asarray(np.random.default_rng(10).standard_normal((1100, 300)), jnp.float32)
@@ -88,15 +88,15 @@ def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, amx):
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 1100])
 @pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)
-@pytest.mark.parametrize("dtype,bf16,amx", [(jnp.float32, False, "0"), (jnp.int8, False, "0"),
+@pytest.mark.parametrize("dtype,bf16,dot", [(jnp.float32, False, "0"), (jnp.int8, False, "0"),
                                             (jnp.float8_e4m3fn, False, "0"), (jnp.int8, True, "1")])
-def test_strips_multiply_like_the_row_major_stack(monkeypatch, M, N, dtype, bf16, amx):
+def test_strips_multiply_like_the_row_major_stack(monkeypatch, M, N, dtype, bf16, dot):
     """Weights in the kernel's strips (float32 read in place by the GEMM; 8-bit decoded from them by
-    the GEMM's packing and by AMX's; streamed by the GEMV, two strips at a time for 8-bit) give bit
+    the GEMM's packing and by the bf16 dot products'; streamed by the GEMV, two strips at a time for 8-bit) give bit
     for bit what the same weights give row-major: the same arithmetic per output. The jnp reference
     reads strips too."""
     require_kernel()
-    monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+    monkeypatch.setenv("TOKENMILL_CPU_BF16_DOT", dot)
     K, wsz = 320, 64 if dtype != jnp.float32 else None
     w, scale = stack(M + N, 3, K, N, dtype, wsz)
     strips = jax.jit(cpu_linear.to_strips)(w)
@@ -275,16 +275,16 @@ def test_int8_is_close_to_float32():
     assert np.linalg.norm(approx - exact) <= 0.02 * np.linalg.norm(exact)
 
 
-@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("dot", ["1", "0"])
 @pytest.mark.parametrize("M,K,N,wsz", [(1, 300, 200, 20), (5, 64, 16, 16), (7, 96, 48, 32), (33, 300, 40, 300),
                                        (17, 300, 37, 60), (150, 576, 200, 64),
                                        (40, 576, 1100, 64)])  # the last: weights enough for every thread
-def test_bf16_products_match_reference(monkeypatch, amx, M, K, N, wsz):
-    """x rounded to bfloat16 times the 8-bit weights: on AMX tiles where the CPU has them (windows of
+def test_bf16_products_match_reference(monkeypatch, dot, M, K, N, wsz):
+    """x rounded to bfloat16 times the 8-bit weights: with the bf16 dot products where the CPU has them (windows of
     32 or 64 rows, or one window over K padded to 32; partial row and column tiles), else on the
     float32 path (windows of 16, 20, 60)."""
     require_kernel()
-    monkeypatch.setenv("TOKENMILL_CPU_AMX", amx)
+    monkeypatch.setenv("TOKENMILL_CPU_BF16_DOT", dot)
     w, scale = stack(M + K, 3, K, N, jnp.int8, wsz)
     x = jnp.asarray(np.random.default_rng(200 + M).standard_normal((M, K)), jnp.float32)
     kernel, ref = both(monkeypatch, x, w, 2, scale, wsz, bf16=True)
@@ -293,22 +293,23 @@ def test_bf16_products_match_reference(monkeypatch, amx, M, K, N, wsz):
     assert np.max(np.abs(kernel - both(monkeypatch, x, w, 2, scale, wsz)[1])) > F32_REL * np.max(np.abs(ref))
 
 
-def test_amx_runs_where_the_cpu_has_it(monkeypatch):
-    """TOKENMILL_CPU_AMX=1 takes the tiles on a CPU with AMX-BF16 (their sums run in another order
-    than the float32 path's, so some output differs in its last bits), and changes nothing elsewhere."""
+def test_bf16_dot_products_run_where_the_cpu_has_them(monkeypatch):
+    """TOKENMILL_CPU_BF16_DOT=1 multiplies with AMX tiles or AVX512-BF16 on a CPU that has them (their
+    sums run in another order than the float32 path's, so some output differs in its last bits), and
+    changes nothing elsewhere."""
     require_kernel()
     w, scale = stack(11, 1, 576, 256, jnp.int8, 64)
     x = jnp.asarray(np.random.default_rng(12).standard_normal((64, 576)), jnp.float32)
-    tiles, fma = with_and_without_amx(monkeypatch, x, w, scale, 64)
-    assert ("-mamx-bf16" in build.isa_flags()) == cpu_has_amx()
-    assert (not np.array_equal(tiles, fma)) == cpu_has_amx()
+    dot, fma = with_and_without_dot(monkeypatch, x, w, scale, 64)
+    assert ("-mavx512bf16" in build.isa_flags()) == cpu_has_bf16_dot()
+    assert (not np.array_equal(dot, fma)) == cpu_has_bf16_dot()
 
 
-def test_windows_the_tiles_cannot_follow_take_the_float32_path(monkeypatch):
+def test_windows_the_dot_products_cannot_follow_take_the_float32_path(monkeypatch):
     require_kernel()
     w, scale = stack(13, 1, 300, 64, jnp.int8, 20)
     x = jnp.asarray(np.random.default_rng(14).standard_normal((40, 300)), jnp.float32)
-    np.testing.assert_array_equal(*with_and_without_amx(monkeypatch, x, w, scale, 20))
+    np.testing.assert_array_equal(*with_and_without_dot(monkeypatch, x, w, scale, 20))
 
 
 def test_bf16_products_need_8bit_weights():

@@ -50,11 +50,11 @@ VARIABLES: dict[str, _Var] = {
         "jnp), jnp (dequantize, then XLA's dot), cpu_kernel (always the C++ kernel; error if it cannot build)",
         choices=("auto", "jnp", "cpu_kernel"),
     ),
-    "TOKENMILL_CPU_AMX": _Var(
+    "TOKENMILL_CPU_BF16_DOT": _Var(
         _bool,
         True,
-        "--quantization w8a16 on CPU: multiply on AMX tiles where the CPU has them (off: the float32 FMA path, "
-        "same rounding of the inputs)",
+        "--quantization w8a16 on CPU: multiply with the CPU's bfloat16 dot products where it has them, AMX "
+        "tiles or else AVX512-BF16 (off: the float32 FMA path, same rounding of the inputs)",
     ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,

@@ -12,7 +12,7 @@ does not divide every reduction axis of the model), for `tokenmill.ops.linear.li
 dequantizes as it multiplies: a decode step reads a quarter of the bytes. The embedding table
 stays float32 for the lookup (a tied LM head gets its own quantized copy). `w8a16` stores the same
 int8 weights and rounds each projection's input to bfloat16 (`ops.linear`): the products then run
-on a CPU's AMX tiles where it has them. (`gguf` quantizes nothing: the loader keeps a GGUF file's
+with a CPU's bfloat16 dot products (AMX, AVX512-BF16) where it has them. (`gguf` quantizes nothing: the loader keeps a GGUF file's
 Q8_0 / Q4_0 / Q4_1 blocks as they are, loader/gguf_blocks.py.)
 """
 

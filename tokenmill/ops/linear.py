@@ -12,9 +12,9 @@ call and streams contiguously when decoding; `kernel_layout` converts a model's 
 where the kernel will run.
 
 `bf16=True` (`--quantization w8a16`) rounds x to bfloat16 before it meets the 8-bit weights: an
-8-bit code is exactly a bfloat16, so the kernel multiplies on AMX tiles where the CPU has them
-(ops/cpu/amx_bf16.h: each window's products summed in float32, then scaled), else on the float32
-path.
+8-bit code is exactly a bfloat16, so the kernel multiplies with the CPU's bfloat16 dot products
+where it has them, AMX tiles or AVX512-BF16 (ops/cpu/bf16_pack.h: each window's products summed in
+float32, then scaled), else on the float32 path.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ directory if that is read-only), where the hash covers the source and the header
 compiler and its flags, the jaxlib version and the machine. Concurrent
 processes serialise on a file lock and publish the library with an atomic rename, so a half-written
 library is never loaded. The x86 build uses -mavx2 -mfma only when the CPU reports both (checked at
-run time), adding -mavx512f where it reports that too (and the AMX-BF16 flags where it reports
-those), else it is a portable -O3 build.
+run time), adding -mavx512f where it reports that too (and the AVX512-BF16 and AMX-BF16 flags where it
+reports those), else it is a portable -O3 build.
 
 Nothing here raises: when the compiler is missing or the build fails, `load()` logs one warning and
 returns None, and callers fall back to the jnp reference. `build_error()` says why.
@@ -71,20 +71,23 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-# AMX bfloat16 tiles (amx_bf16.h) and the AVX-512 conversions that feed them
-_AMX_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16", "avx512_bf16": "-mavx512bf16",
-              "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
+# the bfloat16 dot products of --quantization w8a16: AVX512-BF16 (bf16_pack.h, avx512_bf16.h), and
+# on top of it AMX's bfloat16 tiles (amx_bf16.h)
+_BF16_FLAGS = {"avx512_bf16": "-mavx512bf16", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
+_AMX_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
 
 
 def isa_flags() -> tuple[str, ...]:
     """The widest vector ISA this CPU runs: AVX-512F, else AVX2 + FMA, else none (portable); plus
-    AMX-BF16 where the CPU has it."""
+    AVX512-BF16, and AMX-BF16, where the CPU has them."""
     cpu = _cpu_flags()
     if not {"avx2", "fma"} <= cpu:
         return ()
     flags = ("-mavx2", "-mfma") + (("-mavx512f",) if "avx512f" in cpu else ())
-    if "avx512f" in cpu and set(_AMX_FLAGS) <= cpu:
-        flags += tuple(_AMX_FLAGS.values())
+    if "avx512f" in cpu and set(_BF16_FLAGS) <= cpu:
+        flags += tuple(_BF16_FLAGS.values())
+        if set(_AMX_FLAGS) <= cpu:
+            flags += tuple(_AMX_FLAGS.values())
     return flags
 
 

@@ -26,9 +26,10 @@
 // follows jnp indexing: negative wraps once, then it is clamped into range.
 //
 // `bf16` (--quantization w8a16): x is rounded to bfloat16 (ties to even) and multiplies the 8-bit
-// weights. 1: on the float32 path; 2: on AMX tiles (amx_bf16.h: the codes are exact bfloat16, each
-// window's sum is scaled in float32) when this build, the OS and the scale windows allow, for every
-// M (one arithmetic whatever the batch), else as 1.
+// weights. 1: on the float32 path; 2: with the CPU's bfloat16 dot products (bf16_pack.h: the codes
+// are exact bfloat16, each window's sum is scaled in float32), on AMX tiles (amx_bf16.h) where this
+// build and the OS allow them, else with AVX512-BF16 (avx512_bf16.h), for every M (one arithmetic
+// whatever the batch); as 1 where the build has neither or the scale windows do not fit.
 
 #include <algorithm>
 #include <cstdint>
@@ -41,6 +42,7 @@
 #include "weights_ffi.h"
 #include "gemm.h"
 #include "amx_bf16.h"
+#include "avx512_bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -139,24 +141,48 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
       round_up(std::max<int64_t>(unit, (N + per_thread * threads - 1) / (per_thread * threads)), unit);
   const int64_t blocks = (N + block - 1) / block;
   struct NoState {};
-#if defined(TOKENMILL_AMX)
+#if defined(TOKENMILL_BF16)
   const int64_t k_pad = round_up(K, kTileK);
-  const int64_t window = weights.scale == nullptr ? 0 : amx_window(wsz, K, k_pad);
-  if (bf16 == 2 && window > 0 && amx_ready()) {
+  const int64_t window = weights.scale == nullptr ? 0 : bf16_window(wsz, K, k_pad);
+  if (bf16 == 2 && window > 0) {
+#if defined(TOKENMILL_AMX)
+    const bool tiles = amx_ready();
+#else
+    constexpr bool tiles = false;
+#endif
     const int64_t m_pad = round_up(M, kTileRows);
     // kept across calls: a fresh buffer of a prefill's size is mapped anew, and every page faulted in
     thread_local std::vector<uint16_t> packed_a;
     packed_a.resize(m_pad * k_pad);
     pack_a_bf16(M, K, x.typed_data(), packed_a.data(), m_pad, k_pad);
     const uint16_t* pa = packed_a.data();  // (inside the lambda, packed_a would be each worker's own)
+    if (!tiles && M <= kGemvRows && dot_gemv_fits(weights, K)) {  // decoding: no packing of B
+      if (alone) {
+        dot_gemv_rows(M, K, pa, weights, window, out, 0, N);
+      } else {
+        parallel_for<NoState>(
+            pool, blocks, [] { return std::make_unique<NoState>(); },
+            [&](int64_t i, NoState&) {
+              dot_gemv_rows(M, K, pa, weights, window, out, i * block, std::min(N, (i + 1) * block));
+            },
+            /*spin=*/true);
+      }
+      return ffi::Error::Success();
+    }
     // blocks of whole tile pairs, at most 256 columns: a block's strips stay in L2 while A streams by
     const int64_t columns = std::min<int64_t>(256, round_up((N + 4 * threads - 1) / (4 * threads), 2 * kTileCols));
     const int64_t count = (N + columns - 1) / columns;
     auto run = [&](int64_t i, NoState&) {
       thread_local std::vector<uint16_t> strips;  // kept across calls, like gemm's panel
       strips.resize(columns * k_pad);
-      amx_gemm_columns(M, N, K, pa, m_pad, k_pad, weights, window, out, strips.data(), i * columns,
-                       std::min(N, (i + 1) * columns));
+      const int64_t n_begin = i * columns, n_end = std::min(N, (i + 1) * columns);
+#if defined(TOKENMILL_AMX)
+      if (tiles) {
+        amx_gemm_columns(M, N, K, pa, m_pad, k_pad, weights, window, out, strips.data(), n_begin, n_end);
+        return;
+      }
+#endif
+      dot_gemm_columns(M, N, K, pa, k_pad, weights, window, out, strips.data(), n_begin, n_end);
     };
     if (alone) {
       NoState none;
@@ -168,7 +194,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   }
 #endif
   const float* xp = x.typed_data();
-  thread_local std::vector<float> rounded, packed_a;  // kept across calls, like the AMX path's
+  thread_local std::vector<float> rounded, packed_a;  // kept across calls, like the bf16 path's
   if (bf16) {  // the float32 path multiplies x's bfloat16 values
     rounded.assign(xp, xp + M * K);
     for (float& v : rounded) v = round_bf16(v);
@@ -235,4 +261,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("wsz")  // rows per scale window (0: float32 weights)
-                                  .Attr<int64_t>("bf16"));  // 0: float32 x; 1, 2: x rounded to bfloat16 (2: AMX)
+                                  .Attr<int64_t>("bf16"));  // 0: float32 x; 1, 2: x rounded to bfloat16 (2: bf16 dot products)

@@ -4,7 +4,8 @@
 scan, handing the kernel one layer's slice would make XLA copy it out of the stack on every step.
 Float32 weights, or 8-bit ones (int8, float8 e4m3fn / e5m2) with one scale per window of `wsz` rows
 and column, dequantized inside the kernel as they are packed. `bf16`: x is rounded to bfloat16 first
-(then the products run on AMX tiles where the CPU has them and TOKENMILL_CPU_AMX allows).
+(then the products run on the CPU's bfloat16 dot products, AMX tiles or AVX512-BF16, where it
+has them and TOKENMILL_CPU_BF16_DOT allows).
 
 Weights multiply fastest in the kernel's own layout, `to_strips(w)`: [L, N / STRIP, K, STRIP], strips
 of STRIP columns each stored K x STRIP (8-bit scales stay [L, K / wsz, N]), which the GEMM reads in
@@ -100,5 +101,5 @@ def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, ws
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(LINEAR.target, out)(
         x, w, scale, offset, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),
-        bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_AMX else int(bf16)),
+        bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_BF16_DOT else int(bf16)),
     )
