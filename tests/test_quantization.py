@@ -5,7 +5,8 @@ real SmolLM2.
 The issue's bar for 8-bit weights: greedy output on the parity prompts unchanged for at least 30
 of the first 32 tokens, and perplexity on a fixed text within 1% of float32. Three of the eight
 parity prompts reach a near-tie in float32 itself within 32 tokens (top-2 logprob gaps of 0.008,
-0.014 and 0.02): any 8-bit rounding may flip those, so a prompt may diverge earlier only at a
+0.014 and 0.02), and on an AMD Zen 4 machine a fourth (0.007), float32's own sums rounding
+differently there: any 8-bit rounding may flip those, so a prompt may diverge earlier only at a
 position where float32's own top two are within NEAR_TIE. Plus the options' errors and a tiny
 model in each 8-bit format.
 """
@@ -53,8 +54,8 @@ def perplexity(llm: LLM) -> float:
 
 @pytest.mark.parametrize("kind", ["int8", "w8a16"])
 def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
-    """int8: float32 inputs; w8a16: the same weights, inputs rounded to bfloat16 (multiplied on AMX
-    tiles where the CPU has them)."""
+    """int8: float32 inputs; w8a16: the same weights, inputs rounded to bfloat16 (multiplied with
+    AMX or AVX512-BF16 where the CPU has them)."""
     quantized = LLM(smollm2, quantization=kind, **ENGINE)
     assert quantized.engine.model.config.quantization == kind
     assert str(quantized.engine.model.params["layers"]["wq"].dtype) == "int8"
@@ -68,7 +69,7 @@ def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
             top2 = sorted((lp.logprob for lp in a.outputs[0].logprobs[agree].values()), reverse=True)[:2]
             assert top2[0] - top2[1] < NEAR_TIE, (a.prompt, agree, top2, x, y)
             diverged.append(a.prompt)
-    assert len(diverged) <= 3, diverged
+    assert len(diverged) <= len(PARITY_PROMPTS) // 2, diverged  # the four without a near tie agree
     p32, p8 = perplexity(fp32), perplexity(quantized)
     assert abs(p8 - p32) <= 0.01 * p32, (p32, p8)
 
