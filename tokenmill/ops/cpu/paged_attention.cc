@@ -208,9 +208,12 @@ constexpr int kScoreGroup = 3;
 constexpr int kScoreGroup = 1;
 #endif
 
-// Software prefetch of the K and V slots `kPrefetchAhead` keys ahead of the one being scored:
-// the keys of one request are scattered over blocks, which the hardware prefetcher cannot guess.
-constexpr int kPrefetchAhead = 6;
+// Software prefetch of the K and V slots `kPrefetchAhead` keys ahead of the one being scored, into
+// L2 (prefetcht1): the keys of one request are scattered over blocks, which the hardware prefetcher
+// cannot guess. On AMD Zen 4, 30 layers of SmolLM2 decoding (keys from memory): batch 64 x 192 keys
+// 39.1 -> 34.3 ms, 16 x 1100 keys 61.1 -> 46.6, 1 x 300 keys 1.20 -> 0.43 ms, against 6 keys ahead
+// into L1 (32 ahead into L2: 33.3 ms; 64: 34.6; 32 into L3 only: 35.6).
+constexpr int kPrefetchAhead = 16;
 
 template <typename KT>
 struct Prefetch {
@@ -227,11 +230,11 @@ TM_INLINE void prefetch_key(const Prefetch<KT>& pf, int64_t j) {
   const char* k = reinterpret_cast<const char*>(pf.kp[j] + pf.off);
   const char* v = reinterpret_cast<const char*>(pf.vp[j] + pf.off);
   for (int64_t b = 0; b < pf.bytes; b += 64) {
-    __builtin_prefetch(k + b, 0, 3);
-    __builtin_prefetch(v + b, 0, 3);
+    __builtin_prefetch(k + b, 0, 2);
+    __builtin_prefetch(v + b, 0, 2);
   }
-  __builtin_prefetch(k + pf.bytes - 1, 0, 3);  // rows need not start on a cache line
-  __builtin_prefetch(v + pf.bytes - 1, 0, 3);
+  __builtin_prefetch(k + pf.bytes - 1, 0, 2);  // rows need not start on a cache line
+  __builtin_prefetch(v + pf.bytes - 1, 0, 2);
 }
 
 // Eight keys at a time; the last group repeats the last key (its extra scores land in the chunk's
