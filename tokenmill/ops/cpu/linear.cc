@@ -129,8 +129,10 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::Success();
   }
 
-  // below this many bytes of weights, waking a helper thread costs more than it saves
-  const bool alone = K * N * weights.elem < (int64_t(1) << 19);
+  // waking a helper thread costs more than it saves: decoding, below this many bytes of weights;
+  // else below this many multiply-adds (by bytes, SmolLM2's int8 o projection, 576 x 576, ran on
+  // one thread at every batch: w8a16 at 2048 rows 199 GFLOP/s, against 370 with both threads)
+  const bool alone = M <= kGemvRows ? K * N * weights.elem < (int64_t(1) << 19) : M * K * N < (int64_t(1) << 22);
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : strips ? kStrip : kNR;  // blocks of whole strips
   // blocks per thread: a helper thread that starts late leaves at most one block to the others.
