@@ -24,7 +24,7 @@ namespace {
 
 constexpr int kDotRows = 6;
 
-// Rows [m, m + R) x strips [s, s + NT) of C (R <= kDotRows; A's rows past M are zeros): per window,
+// Rows [m, m + R) x strips [s, s + NT) of C (R <= kDotRows, m + R <= M): per window,
 // the bfloat16 pair products summed in float32, then scaled by their columns' scales into the
 // accumulators, which go to C at the end (the part inside M x N).
 template <int R, int NT>

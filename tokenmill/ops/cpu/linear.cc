@@ -152,7 +152,8 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 #else
     constexpr bool tiles = false;
 #endif
-    const int64_t m_pad = round_up(M, kTileRows);
+    // only the tiles read rows past M (a decode step's one row would be written out as 16 per call)
+    const int64_t m_pad = tiles ? round_up(M, kTileRows) : M;
     // kept across calls: a fresh buffer of a prefill's size is mapped anew, and every page faulted in
     thread_local std::vector<uint16_t> packed_a;
     packed_a.resize(m_pad * k_pad);
