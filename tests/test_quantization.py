@@ -1,6 +1,6 @@
 """`--quantization`: projections and LM head stored in 8 bits at load time (int8; w8a16, the same
-weights with inputs rounded to bfloat16), or a GGUF file's blocks kept as they are (gguf), on the
-real SmolLM2.
+weights with inputs rounded to bfloat16; w8a16_int, with inputs quantized to 16-bit integers), or a
+GGUF file's blocks kept as they are (gguf), on the real SmolLM2.
 
 The issue's bar for 8-bit weights: greedy output on the parity prompts unchanged for at least 30
 of the first 32 tokens, and perplexity on a fixed text within 1% of float32. Three of the eight
@@ -52,10 +52,11 @@ def perplexity(llm: LLM) -> float:
     return math.exp(-np.mean(logprobs))
 
 
-@pytest.mark.parametrize("kind", ["int8", "w8a16"])
+@pytest.mark.parametrize("kind", ["int8", "w8a16", "w8a16_int"])
 def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
     """int8: float32 inputs; w8a16: the same weights, inputs rounded to bfloat16 (multiplied with
-    AMX or AVX512-BF16 where the CPU has them)."""
+    AMX or AVX512-BF16 where the CPU has them); w8a16_int: inputs quantized to 16-bit integers
+    (integer dot products, AVX512-VNNI where the CPU has it)."""
     quantized = LLM(smollm2, quantization=kind, **ENGINE)
     assert quantized.engine.model.config.quantization == kind
     assert str(quantized.engine.model.params["layers"]["wq"].dtype) == "int8"
@@ -107,7 +108,7 @@ def test_gguf_blocks_keep_the_float_models_greedy_output(smollm2_path, fp32):
 
 
 def test_bad_options_name_the_field(smollm2, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization must be one of int8, fp8_e4m3, fp8_e5m2, w8a16 or gguf, "
+    with pytest.raises(ValueError, match=r"quantization must be one of int8, fp8_e4m3, fp8_e5m2, w8a16, w8a16_int or gguf, "
                                          r"got 'int4'"):
         LLM(smollm2, quantization="int4", **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='gguf' keeps a GGUF file's blocks as the model loads"):

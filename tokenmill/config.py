@@ -64,8 +64,8 @@ class ModelConfig:
     expert_quantization: str | None = None
     expert_quant_window: int = 0
     # set when the dense projections and the LM head were quantized at load time (`--quantization`):
-    # "int8", "fp8_e4m3", "fp8_e5m2" or "w8a16", one scale per `quant_window` rows of each reduction
-    # axis
+    # "int8", "fp8_e4m3", "fp8_e5m2", "w8a16" or "w8a16_int", one scale per `quant_window` rows of each
+    # reduction axis
     quantization: str | None = None
     quant_window: int = 0
     # "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are): the stacks held as 4-bit
@@ -75,6 +75,17 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def bf16_inputs(self) -> bool:
+        """--quantization w8a16: each projection's input rounded to bfloat16 (ops.linear's `bf16`)."""
+        return self.quantization == "w8a16"
+
+    @property
+    def int16_inputs(self) -> bool:
+        """--quantization w8a16_int: each projection's input quantized to 16-bit integers (ops.linear's
+        `int16`)."""
+        return self.quantization == "w8a16_int"
 
     @property
     def family(self) -> str:
@@ -240,7 +251,8 @@ class EngineConfig:
     expert_quantization: str | None = None
     expert_quantization_window: int = 256  # rows of the reduction axis per scale
     # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2",
-    # or "w8a16" (int8 weights, inputs rounded to bfloat16); or keep a GGUF file's Q8_0 / Q4_0 / Q4_1
+    # or "w8a16" (int8 weights, inputs rounded to bfloat16), or "w8a16_int" (int8 weights, inputs
+    # quantized to 16-bit integers per window); or keep a GGUF file's Q8_0 / Q4_0 / Q4_1
     # blocks as they are: "gguf"
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

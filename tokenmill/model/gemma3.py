@@ -24,7 +24,7 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def to_kernel_layout(params: dict, mesh) -> dict:
+def to_kernel_layout(params: dict, mesh, int16: bool = False) -> dict:
     """`params` as placed: Gemma 3's projections are the scan's per-layer slices, multiplied by XLA."""
     return params
 

@@ -70,12 +70,13 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def to_kernel_layout(params: dict, mesh) -> dict:
+def to_kernel_layout(params: dict, mesh, int16: bool = False) -> dict:
     """`params` placed on `mesh`, with each projection stack and a quantized LM head (and the float32
     experts of an MoE model) in the layout ops.linear (ops.moe) multiplies fastest there: the CPU
     kernels' strips, made once here rather than packed or strided through on every call, and the
     projections of one input side by side (FUSED). Consumes `params`: each array it converts is
-    freed as soon as its new copy exists, so loading peaks at one fused stack above the model's size."""
+    freed as soon as its new copy exists, so loading peaks at one fused stack above the model's size.
+    `int16` (--quantization w8a16_int): int8 stacks go into the kernel's int8 quad strips instead."""
     layers = dict(params["layers"])
     for fused, members in FUSED.items():
         if all(m in layers for m in members) and kernel_runs(layers[members[0]], mesh):
@@ -89,13 +90,13 @@ def to_kernel_layout(params: dict, mesh) -> dict:
                     part.delete()
     for key in (*LINEAR_WEIGHTS, *FUSED):
         if key in layers:
-            layers[key] = _replaced(layers[key], lambda w: kernel_layout(w, mesh))
+            layers[key] = _replaced(layers[key], lambda w: kernel_layout(w, mesh, int16))
     if "w1" in layers and strips_suit(layers["w1"], layers["w2"], mesh):
         for key in ("w1", "w2"):
             layers[key] = _replaced(layers[key], jax.jit(to_strips))
     params = {**params, "layers": layers}
     if "lm_head_q" in params:  # a quantized LM head: a stack of one
-        params["lm_head_q"] = _replaced(params["lm_head_q"], lambda w: kernel_layout(w, mesh))
+        params["lm_head_q"] = _replaced(params["lm_head_q"], lambda w: kernel_layout(w, mesh, int16))
     elif "lm_head" in params or "embed" in params:
         # a float LM head in strips too where the kernel multiplies it; one tied to the embedding
         # replaces it, the lookup reading its rows from the strips (`embed_tokens`)
@@ -140,7 +141,7 @@ def projections(cfg: ModelConfig, stacked: dict, layer):
     def multiply(name: str, x: jax.Array) -> jax.Array:
         weights, scale = stacked[name], stacked.get(name + "_scale")
         wsz = (cfg.quant_window or in_features(weights)) if scale is not None else None
-        return linear(x, weights, layer, scale, wsz, bf16=cfg.quantization == "w8a16",
+        return linear(x, weights, layer, scale, wsz, bf16=cfg.bf16_inputs, int16=cfg.int16_inputs,
                       offset=stacked.get(name + "_offset")).astype(x.dtype)
 
     def project(x: jax.Array, *names: str) -> tuple[jax.Array, ...]:
@@ -246,7 +247,7 @@ def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Arr
     if cfg.quantization:
         head = params["lm_head_q"]
         return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or in_features(head),
-                      bf16=cfg.quantization == "w8a16", offset=params.get("lm_head_q_offset"))
+                      bf16=cfg.bf16_inputs, int16=cfg.int16_inputs, offset=params.get("lm_head_q_offset"))
     if "lm_head_strips" in params:
         return linear(hidden, params["lm_head_strips"], 0)
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]

@@ -12,7 +12,9 @@ does not divide every reduction axis of the model), for `tokenmill.ops.linear.li
 dequantizes as it multiplies: a decode step reads a quarter of the bytes. The embedding table
 stays float32 for the lookup (a tied LM head gets its own quantized copy). `w8a16` stores the same
 int8 weights and rounds each projection's input to bfloat16 (`ops.linear`): the products then run
-with a CPU's bfloat16 dot products (AMX, AVX512-BF16) where it has them. (`gguf` quantizes nothing: the loader keeps a GGUF file's
+with a CPU's bfloat16 dot products (AMX, AVX512-BF16) where it has them; `w8a16_int` stores them too
+and quantizes each projection's input to 16-bit integers per window, for integer dot products
+(AVX512-VNNI). (`gguf` quantizes nothing: the loader keeps a GGUF file's
 Q8_0 / Q4_0 / Q4_1 blocks as they are, loader/gguf_blocks.py.)
 """
 
@@ -27,8 +29,8 @@ from tokenmill.model.loader import LoadedModel
 from tokenmill.ops.quantization import quantize_windows
 
 EXPERT_QUANTIZATIONS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-# --quantization takes the same formats, plus int8 weights with bfloat16 inputs
-QUANTIZATIONS = {**EXPERT_QUANTIZATIONS, "w8a16": jnp.int8}
+# --quantization takes the same formats, plus int8 weights with bfloat16 inputs or 16-bit integer ones
+QUANTIZATIONS = {**EXPERT_QUANTIZATIONS, "w8a16": jnp.int8, "w8a16_int": jnp.int8}
 LINEAR_WINDOW = 64  # rows per scale (llama.cpp's Q8_0 blocks hold 32)
 # --quantization gguf: no quantizing at all, a GGUF file's own blocks kept (loader/gguf_blocks.py)
 KEEP_GGUF_BLOCKS = "gguf"

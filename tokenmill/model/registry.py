@@ -9,7 +9,7 @@ from tokenmill.config import GEMMA3_FAMILY, LLAMA_FAMILY, SUPPORTED_ARCHITECTURE
 
 def get_model_module(cfg: ModelConfig) -> ModuleType:
     """The module with `forward(params, cfg, k_cache, v_cache, input_ids, md)`, `compute_logits(params, cfg, hidden)`,
-    `param_specs(cfg)` and `to_kernel_layout(params, mesh)` (placed params → the layout its kernels read)."""
+    `param_specs(cfg)` and `to_kernel_layout(params, mesh, int16)` (placed params → the layout its kernels read)."""
     if cfg.architecture in LLAMA_FAMILY:
         from tokenmill.model import llama
 

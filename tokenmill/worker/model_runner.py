@@ -121,7 +121,7 @@ class ModelRunner:
             model.params,
             specs,
         )
-        self.params = self.module.to_kernel_layout(self.params, self.mesh)
+        self.params = self.module.to_kernel_layout(self.params, self.mesh, int16=self.cfg.int16_inputs)
         cache_shape = (self.cfg.num_layers, num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
         self.k_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)

@@ -101,7 +101,7 @@ def load_model(path: str | None, dtype=np.float32, *, tokenizer: bool = True,
     path, kind = _resolve(path)
     if keep_gguf_blocks and kind == "hf":
         raise ModelLoadError(f"--quantization gguf keeps the blocks of a GGUF file; {path} is an HF checkpoint "
-                             "(quantize it at load time with int8, fp8_e4m3, fp8_e5m2 or w8a16)")
+                             "(quantize it at load time with int8, fp8_e4m3, fp8_e5m2, w8a16 or w8a16_int)")
     tok, chat_template = None, None
     # cheap checks first (config, tokenizer), the weights last
     if kind == "hf":

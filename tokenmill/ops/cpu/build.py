@@ -6,8 +6,8 @@ directory if that is read-only), where the hash covers the source and the header
 compiler and its flags, the jaxlib version and the machine. Concurrent
 processes serialise on a file lock and publish the library with an atomic rename, so a half-written
 library is never loaded. The x86 build uses -mavx2 -mfma only when the CPU reports both (checked at
-run time), adding -mavx512f where it reports that too (and the AVX512-BF16 and AMX-BF16 flags where it
-reports those), else it is a portable -O3 build.
+run time), adding -mavx512f where it reports that too (and the AVX512-VNNI, AVX512-BF16 and AMX-BF16
+flags where it reports those), else it is a portable -O3 build.
 
 Nothing here raises: when the compiler is missing or the build fails, `load()` logs one warning and
 returns None, and callers fall back to the jnp reference. `build_error()` says why.
@@ -75,20 +75,24 @@ def _cpu_flags() -> set[str]:
 # on top of it AMX's bfloat16 tiles (amx_bf16.h)
 _BF16_FLAGS = {"avx512_bf16": "-mavx512bf16", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
 _AMX_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
+# the integer dot products of --quantization w8a16_int (int8_dot.h): AVX512-VNNI's VPDPBUSD
+_VNNI_FLAGS = {"avx512_vnni": "-mavx512vnni", "avx512bw": "-mavx512bw"}
 
 
 def isa_flags() -> tuple[str, ...]:
     """The widest vector ISA this CPU runs: AVX-512F, else AVX2 + FMA, else none (portable); plus
-    AVX512-BF16, and AMX-BF16, where the CPU has them."""
+    AVX512-VNNI, AVX512-BF16, and AMX-BF16, where the CPU has them."""
     cpu = _cpu_flags()
     if not {"avx2", "fma"} <= cpu:
         return ()
     flags = ("-mavx2", "-mfma") + (("-mavx512f",) if "avx512f" in cpu else ())
+    if "avx512f" in cpu and set(_VNNI_FLAGS) <= cpu:
+        flags += tuple(_VNNI_FLAGS.values())
     if "avx512f" in cpu and set(_BF16_FLAGS) <= cpu:
         flags += tuple(_BF16_FLAGS.values())
         if set(_AMX_FLAGS) <= cpu:
             flags += tuple(_AMX_FLAGS.values())
-    return flags
+    return tuple(dict.fromkeys(flags))  # each once (VNNI and BF16 both need AVX512-BW)
 
 
 def find_compiler() -> str | None:

@@ -13,6 +13,11 @@ place where they are float32 (no per-call packing) and a GEMV streams contiguous
 converts its projections once at load time. 4-bit codes (GGUF's Q4_0 / Q4_1 blocks, kept by
 `--quantization gguf`) exist in strips only, two per byte (`to_uint4_strips`), with a scale and an
 offset per window: value = code * scale + offset.
+
+int8 weights multiplied by x quantized to 16-bit integers (--quantization w8a16_int, int8_dot.h) take their own
+layout, `to_int8_quads`: [L, N / STRIP, K / 4, STRIP, 4] uint8, each strip's rows holding 4
+consecutive k of every column, each code stored plus 128 (what the CPU's unsigned-by-signed byte dot
+products, AVX512-VNNI's VPDPBUSD, multiply).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from tokenmill import envs
 from tokenmill.ops.cpu.build import LINEAR, build_error, load
 
 STRIP = 32  # columns per strip: gemm.h's kStrip
+QUAD = 4  # k per group of an int8 quad strip's bytes: int8_dot.h's kQuad
+MAX_INT_WINDOW = 512  # the longest window of x's 16-bit integers whose sums fit int32: int8_dot.h's kMaxIntWindow
 _F32 = jnp.dtype(jnp.float32)
 _8BIT = {jnp.dtype(t) for t in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)}
 KERNEL_DTYPES = {_F32} | _8BIT  # the weight types the kernel multiplies
@@ -48,9 +55,14 @@ def is_uint4_strips(w: jax.Array) -> bool:
     return jnp.dtype(w.dtype) == jnp.uint8 and w.ndim == 4 and w.shape[3] == STRIP // 2
 
 
+def is_int8_quads(w: jax.Array) -> bool:
+    """Whether `w` holds int8 weights in quad strips ([L, N / STRIP, K / 4, STRIP, 4] uint8, `to_int8_quads`)."""
+    return jnp.dtype(w.dtype) == jnp.uint8 and w.ndim == 5 and w.shape[3:] == (STRIP, QUAD)
+
+
 def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
     """Whether the kernel computes these operands (assumes the platform is CPU)."""
-    if is_uint4_strips(w):
+    if is_uint4_strips(w) or is_int8_quads(w):
         return x.ndim == 2 and jnp.dtype(x.dtype) == _F32 and scale is not None
     in_strips = w.ndim == 4 and w.shape[3] == STRIP
     return x.ndim == 2 and (w.ndim == 3 or in_strips) and supported_dtypes(x, w, scale)
@@ -87,17 +99,36 @@ def from_uint4_strips(packed: jax.Array) -> jax.Array:
     return from_strips(pairs.reshape(*packed.shape[:-1], STRIP))
 
 
+def to_int8_quads(q: jax.Array) -> jax.Array:
+    """int8 weights [..., K, N] (K a multiple of QUAD, N of STRIP) → quad strips [..., N / STRIP, K / QUAD,
+    STRIP, QUAD] uint8: byte i of column j in row r of a strip is the code of k = QUAD * r + i, plus 128."""
+    strips = to_strips(q)
+    *lead, K, _ = strips.shape
+    if K % QUAD:
+        raise ValueError(f"to_int8_quads: K={K} is not a multiple of {QUAD}")
+    quads = jnp.swapaxes(strips.reshape(*lead, K // QUAD, QUAD, STRIP), -1, -2)
+    return jax.lax.bitcast_convert_type(quads.astype(jnp.int8), jnp.uint8) ^ jnp.uint8(0x80)
+
+
+def from_int8_quads(quads: jax.Array) -> jax.Array:
+    """Quad strips (`to_int8_quads`) → the int8 weights [..., K, N] they hold."""
+    codes = jax.lax.bitcast_convert_type(quads ^ jnp.uint8(0x80), jnp.int8)
+    *lead, R, _, _ = codes.shape
+    return from_strips(jnp.swapaxes(codes, -1, -2).reshape(*lead, R * QUAD, STRIP))
+
+
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
     """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
     f32[L, K / wsz, N], or 4-bit strips (`to_uint4_strips`) with scale and offset
-    f32[L, K / wsz, N] → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
+    f32[L, K / wsz, N], or int8 quad strips (`to_int8_quads`: x quantized to 16-bit integers per window) with scale
+    → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     none = jnp.zeros((0,), jnp.float32)
     scale = none if scale is None else scale.astype(jnp.float32)
     offset = none if offset is None else offset.astype(jnp.float32)
-    n = w.shape[1] * STRIP if w.ndim == 4 else w.shape[2]
+    n = w.shape[1] * STRIP if w.ndim >= 4 else w.shape[2]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(LINEAR.target, out)(
         x, w, scale, offset, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),

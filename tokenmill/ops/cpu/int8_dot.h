@@ -1,0 +1,184 @@
+// --quantization w8a16_int: int8 weights times x quantized to 16-bit integers, with integer dot products
+// (AVX512-VNNI's VPDPBUSD where the CPU has it: 64 multiply-adds of bytes an instruction, against a
+// float32 FMA's 16).
+//
+// x is quantized per row and window of `wsz` values (the weights' scale window): step = max|x| /
+// kInt16Steps (1 where the window is all zero), q = round(x / step), ties to even. A window's products
+// are then exact integers; each is scaled into a float32 accumulator, window after window:
+//
+//   y[m, n] = fma(float(sum_k q[m, k] * w[k, n]), step[m, window] * scale[window, n], y[m, n])
+//
+// so a row's output is one chain whatever the rows beside it: batch-invariant, as the float paths are.
+// (8-bit x alone, as llama.cpp's Q8_0 multiplies, moved SmolLM2's greedy output on five of the eight
+// parity prompts; 16 bits keep what int8 weights with float32 inputs give.)
+//
+// VPDPBUSD multiplies bytes, so each q is split into two int8, q = 254 * hi + lo (|hi|, |lo| <= 127),
+// and a window's sum is 254 * sum(hi * w) + sum(lo * w): two dot products for each load of weights. It multiplies unsigned bytes by signed ones, four k at a time per int32 lane, so the weights
+// are stored in "quad strips" (made at load time, linear.py's `to_int8_quads`): strips of kStrip
+// columns as elsewhere, each row of a strip holding 4 consecutive k of every column ([K / 4][32][4]
+// bytes), each code stored plus 128, unsigned. The 128 * sum(hi) (and lo) this adds is taken off each
+// window's sum again (the window sums of hi and lo are kept when x is quantized). Every sum fits in
+// int32 for windows of up to kMaxIntWindow.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TOKENMILL_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kQuad = 4;  // k per group of bytes a VPDPBUSD lane sums
+constexpr int64_t kQuadRowBytes = kStrip * kQuad;  // one row of a quad strip: 128 bytes
+constexpr int kDotTileRows = 6;  // rows per tile of the GEMM: 24 of the 32 vector registers hold sums
+constexpr int32_t kSplit = 254;  // q = kSplit * hi + lo
+constexpr int32_t kInt16Steps = 127 * kSplit;  // the largest |q|
+constexpr int64_t kMaxIntWindow = 512;  // wsz * kInt16Steps * 127 < 2^31
+
+// x's rows quantized per window: q = kSplit * hi + lo (hi, lo [M, K]), with each window's step and
+// sums of hi and of lo ([M, K / wsz])
+struct QuantizedRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> step;
+  std::vector<int32_t> sum_hi, sum_lo;
+};
+
+// rows [m_begin, m_end) of x [M, K] into `out` (sized by the caller for all M rows)
+static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows& out, int64_t m_begin,
+                          int64_t m_end) {
+  const int64_t windows = K / wsz;
+  for (int64_t m = m_begin; m < m_end; ++m)
+    for (int64_t w = 0; w < windows; ++w) {
+      const float* v = x + m * K + w * wsz;
+      int8_t* hi = out.hi.data() + m * K + w * wsz;
+      int8_t* lo = out.lo.data() + m * K + w * wsz;
+      float amax = 0.f;
+      for (int64_t i = 0; i < wsz; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float step = amax > 0.f ? amax / float(kInt16Steps) : 1.f;
+      int32_t sum_hi = 0, sum_lo = 0;
+      for (int64_t i = 0; i < wsz; ++i) {
+        // division, not a reciprocal's product: the jnp reference rounds the same quotients
+        const float r = std::min(float(kInt16Steps), std::max(-float(kInt16Steps), std::nearbyint(v[i] / step)));
+        const int32_t q = int32_t(r);
+        const int32_t h = q >= 0 ? (q + kSplit / 2) / kSplit : -((kSplit / 2 - q) / kSplit);  // nearest
+        hi[i] = int8_t(h);
+        lo[i] = int8_t(q - kSplit * h);
+        sum_hi += hi[i];
+        sum_lo += lo[i];
+      }
+      out.step[m * windows + w] = step;
+      out.sum_hi[m * windows + w] = sum_hi;
+      out.sum_lo[m * windows + w] = sum_lo;
+    }
+}
+
+// One window of a row into its float32 outputs, for the 32 columns of a strip: its sums of hi and lo
+// times the stored codes (each still offset by 128) made the window's integer sum, then scaled.
+TM_INLINE void scale_window(const int32_t* hi_sums, const int32_t* lo_sums, int32_t sum_hi, int32_t sum_lo,
+                            float step, const float* scale, float* y) {
+  const int32_t hi_offset = 128 * sum_hi, lo_offset = 128 * sum_lo;
+  for (int j = 0; j < kStrip; ++j) {
+    const int32_t sum = kSplit * (hi_sums[j] - hi_offset) + (lo_sums[j] - lo_offset);
+    y[j] = lane_fma(float(sum), step * scale[j], y[j]);
+  }
+}
+
+// Rows [0, R) of x (quantized, from `rows`' row m0) times one quad strip (32 columns from n, all K)
+// into y's rows (leading dimension N): windows in order, each summed in integers and then scaled.
+// (Decoding streams each strip from memory once, and is not prefetched in software: the hardware's
+// prefetchers follow the strips, and each line's PREFETCHT0 ahead cost SmolLM2's decoding about 8%.)
+template <int R>
+static void dot_strip(int64_t K, int64_t wsz, int64_t N, const QuantizedRows& rows, int64_t m0, const uint8_t* strip,
+                      const float* scale, float* y, int64_t n) {
+  const int64_t windows = K / wsz;
+  const int8_t* hi = rows.hi.data() + m0 * K;
+  const int8_t* lo = rows.lo.data() + m0 * K;
+  float out[R][kStrip] = {};
+  for (int64_t w = 0; w < windows; ++w) {
+    alignas(64) int32_t sums[R][2][kStrip];  // [row][hi, lo][column]
+#if defined(TOKENMILL_VNNI)
+    __m512i acc[R][2][2];  // [row][hi, lo][16 columns]
+    for (int i = 0; i < R; ++i)
+      for (int part = 0; part < 2; ++part) acc[i][part][0] = acc[i][part][1] = _mm512_setzero_si512();
+    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kQuad) {
+      const uint8_t* row = strip + (k / kQuad) * kQuadRowBytes;
+      const __m512i b0 = _mm512_loadu_si512(row), b1 = _mm512_loadu_si512(row + 64);
+      for (int i = 0; i < R; ++i)
+        for (int part = 0; part < 2; ++part) {
+          int32_t quad;
+          std::memcpy(&quad, (part == 0 ? hi : lo) + i * K + k, 4);
+          const __m512i a = _mm512_set1_epi32(quad);
+          acc[i][part][0] = _mm512_dpbusd_epi32(acc[i][part][0], b0, a);
+          acc[i][part][1] = _mm512_dpbusd_epi32(acc[i][part][1], b1, a);
+        }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int part = 0; part < 2; ++part) {
+        _mm512_store_si512(sums[i][part], acc[i][part][0]);
+        _mm512_store_si512(sums[i][part] + 16, acc[i][part][1]);
+      }
+#else
+    for (int i = 0; i < R; ++i)
+      for (int part = 0; part < 2; ++part) std::fill(sums[i][part], sums[i][part] + kStrip, 0);
+    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kQuad) {
+      const uint8_t* row = strip + (k / kQuad) * kQuadRowBytes;
+      for (int i = 0; i < R; ++i)
+        for (int part = 0; part < 2; ++part) {
+          const int8_t* a = (part == 0 ? hi : lo) + i * K + k;
+          for (int j = 0; j < kStrip; ++j) {
+            const uint8_t* b = row + j * kQuad;
+            sums[i][part][j] +=
+                int32_t(b[0]) * a[0] + int32_t(b[1]) * a[1] + int32_t(b[2]) * a[2] + int32_t(b[3]) * a[3];
+          }
+        }
+    }
+#endif
+    const float* window_scale = scale + w * N + n;
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (m0 + i) * windows + w;
+      scale_window(sums[i][0], sums[i][1], rows.sum_hi[at], rows.sum_lo[at], rows.step[at], window_scale, out[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) std::memcpy(y + i * N + n, out[i], sizeof(out[i]));
+}
+
+// Rows [m, m + R) of y over the strips of columns [n0, n1)
+template <int R>
+static void dot_tiles(int64_t K, int64_t wsz, int64_t N, const QuantizedRows& rows, const uint8_t* B,
+                      const float* scale, float* y, int64_t m, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += kStrip)
+    dot_strip<R>(K, wsz, N, rows, m, B + (n / kStrip) * K * kStrip, scale, y + m * N, n);
+}
+
+template <int... Rs>
+constexpr auto dot_tile_table(std::integer_sequence<int, Rs...>) {
+  using Tiles = void (*)(int64_t, int64_t, int64_t, const QuantizedRows&, const uint8_t*, const float*, float*,
+                         int64_t, int64_t, int64_t);
+  return std::array<Tiles, sizeof...(Rs)>{&dot_tiles<Rs + 1>...};
+}
+constexpr auto kDotTiles = dot_tile_table(std::make_integer_sequence<int, kDotTileRows>{});  // [r - 1]: r rows
+
+// Columns [n0, n1) (whole strips) of y = x . B, B in quad strips: up to kGemvRows rows (decoding) in
+// one pass over the strips, each streamed from memory once; more in tiles of up to kDotTileRows rows
+// over each strip, kMC rows of x at a time so that they stay in L2 while the block's strips pass.
+static void dot_gemm(int64_t M, int64_t K, int64_t wsz, int64_t N, const QuantizedRows& rows, const uint8_t* B,
+                     const float* scale, float* y, int64_t n0, int64_t n1) {
+  if (M <= kGemvRows) return kDotTiles[M - 1](K, wsz, N, rows, B, scale, y, 0, n0, n1);
+  for (int64_t mc = 0; mc < M; mc += kMC)
+    for (int64_t n = n0; n < n1; n += kStrip)
+      for (int64_t m = mc; m < std::min(M, mc + kMC); m += kDotTileRows) {
+        const int64_t r = std::min<int64_t>(kDotTileRows, M - m);
+        kDotTiles[r - 1](K, wsz, N, rows, B, scale, y, m, n, n + kStrip);
+      }
+}
+
+}  // namespace
