@@ -22,14 +22,16 @@ lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenm
 lock .venv/bin/tokenmill bench throughput --input-len 1024 --reps "${LONG_REPS:-2}" --output-json "$OUT/tokenmill-w1-1024.json" > "$OUT/tokenmill-w1-1024.log" 2>&1
 lock .venv/bin/python benchmarks/startup.py | result tokenmill-startup
 # --quantization: projections and LM head in 8 bits; gguf: the shipped file's Q4_1 / Q8_0 blocks kept
-for q in int8 w8a16 w8a16_int gguf; do
+for q in int8 w8a16 w8a16_int gguf gguf_int; do
   lock .venv/bin/tokenmill bench throughput --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w1.json" > "$OUT/tokenmill-$q-w1.log" 2>&1
   lock .venv/bin/tokenmill bench latency --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w2.json" > "$OUT/tokenmill-$q-w2.log" 2>&1
 done
 # the peers' Q8_0 GGUF with its blocks kept: 8 bits against llama.cpp's Q8_0 on the same file
 q8=$(ls "$PEERS_DIR"/*Q8_0*.gguf 2>/dev/null | head -1)
-[ -n "$q8" ] && lock .venv/bin/tokenmill bench latency --model "$q8" --quantization gguf --reps "$REPS" \
-  --output-json "$OUT/tokenmill-gguf-q8_0-w2.json" > "$OUT/tokenmill-gguf-q8_0-w2.log" 2>&1
+for q in gguf gguf_int; do
+  [ -n "$q8" ] && lock .venv/bin/tokenmill bench latency --model "$q8" --quantization $q --reps "$REPS" \
+    --output-json "$OUT/tokenmill-$q-q8_0-w2.json" > "$OUT/tokenmill-$q-q8_0-w2.log" 2>&1
+done
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
 # llama.cpp through benchmarks/llama_peer.py: its AMX / repacked buffers off (they crash on Q8_0 / Q4_1)

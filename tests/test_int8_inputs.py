@@ -1,9 +1,10 @@
 """--quantization w8a16_int: int8 weights times x quantized to 16-bit integers per window (ops.linear's
-`int16`), on the C++ kernel's integer dot products (ops/cpu/int8_dot.h: AVX512-VNNI where the CPU has
-it, else a portable loop) against `linear_ref`, whose `int16_products` is the jnp oracle.
+`int16`), and GGUF's 4-bit codes with their offsets (--quantization gguf_int), on the C++ kernel's
+integer dot products (ops/cpu/int8_dot.h: AVX512-VNNI where the CPU has it, else a portable loop)
+against `linear_ref`, whose `int16_products` is the jnp oracle.
 
-Row counts on both sides of the GEMV / GEMM switch (4 rows) and past a GEMM tile (12 rows) and a
-row block, windows of 32 and 64, layer indices wrapped and clamped; the quad strips' layout; batch
+Row counts on both sides of the GEMV / GEMM switch (4 rows) and past a GEMM tile (6 rows) and a
+row block, windows of 32 and 64, layer indices wrapped and clamped; the quad strips' layouts; batch
 invariance; the portable build giving the very bits of the VNNI one; and bad arguments refused.
 """
 
@@ -52,7 +53,7 @@ def test_quad_strips_hold_four_k_of_each_column_plus_128():
     # layer 1, strip 1 (columns 32..63), row 2 (k = 8..11), column 5 of the strip, byte 3: k = 11
     assert int(quads[1, 1, 2, 5, 3]) == int(q[1, 11, 37]) + 128
     np.testing.assert_array_equal(np.asarray(cpu_linear.from_int8_quads(quads)), np.asarray(q))
-    assert cpu_linear.is_int8_quads(quads) and not cpu_linear.is_int8_quads(cpu_linear.to_strips(q))
+    assert cpu_linear.is_quads(quads) and not cpu_linear.is_quads(cpu_linear.to_strips(q))
     with pytest.raises(ValueError, match="K=6 is not a multiple of 4"):
         cpu_linear.to_int8_quads(q[:, :6])
 
@@ -198,11 +199,53 @@ def test_the_jnp_backend_computes_int8_inputs_from_either_layout(monkeypatch):
     np.testing.assert_array_equal(from_quads, from_stack)
 
 
+def uint4_quads(seed: int, L: int, K: int, N: int, wsz: int):
+    """Random 4-bit codes [L, K, N] with a scale and an offset per window (Q4_1-like), in the loader's
+    4-bit strips and in nibble quad strips."""
+    rng = np.random.default_rng(seed)
+    codes = jnp.asarray(rng.integers(0, 16, (L, K, N)), jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (L, K // wsz, N)) / (8 * np.sqrt(K)), jnp.float32)
+    offset = jnp.asarray(-8 * scale * rng.uniform(0.7, 1.3, scale.shape), jnp.float32)
+    return codes, scale, offset, cpu_linear.to_uint4_strips(codes), jax.jit(cpu_linear.to_uint4_quads)(codes)
+
+
+def test_nibble_quads_hold_k_and_k_plus_4_of_each_column():
+    codes, _, _, strips, quads = uint4_quads(17, 2, 64, 64, 32)
+    assert quads.shape == (2, 2, 8, 32, 4) and quads.dtype == jnp.uint8
+    # layer 1, strip 1, row 3 (k = 24..31), column 7 of the strip, byte 2: k = 26 (low), 30 (high)
+    assert int(quads[1, 1, 3, 7, 2]) == int(codes[1, 26, 39]) | (int(codes[1, 30, 39]) << 4)
+    np.testing.assert_array_equal(np.asarray(cpu_linear.from_uint4_quads(quads)), np.asarray(codes))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    if cpu_linear.available():  # the loader's 4-bit strips become nibble quads where the kernel runs
+        np.testing.assert_array_equal(np.asarray(kernel_layout(strips, mesh, int16=True)), np.asarray(quads))
+    assert kernel_layout(strips, mesh).shape == strips.shape
+
+
+@pytest.mark.parametrize("M", [1, 4, 5, 13, 100])
+def test_4bit_codes_match_reference(monkeypatch, M):
+    """--quantization gguf_int: GGUF's Q4_0 / Q4_1 codes (value = code * scale + offset) times x's
+    16-bit integers, from nibble quads, against the reference from the loader's 4-bit strips."""
+    require_kernel()
+    K, N, wsz = 320, 224, 32
+    codes, scale, offset, strips, quads = uint4_quads(M, 3, K, N, wsz)
+    x = jnp.asarray(np.random.default_rng(30 + M).standard_normal((M, K)), jnp.float32)
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    kernel = np.asarray(jax.jit(lambda x: linear(x, quads, 2, scale, wsz, offset=offset, int16=True))(x))
+    ref = np.asarray(jax.jit(lambda x: linear_ref(x, strips, 2, scale, wsz, offset=offset, int16=True))(x))
+    assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
+    floats = np.asarray(linear_ref(x, strips, 2, scale, wsz, offset=offset))
+    assert 0 < np.max(np.abs(kernel - floats)) <= 1e-4 * np.max(np.abs(floats))
+    alone = np.asarray(jax.jit(lambda x: linear(x, quads, 2, scale, wsz, offset=offset, int16=True))(x[:1]))
+    np.testing.assert_array_equal(alone, kernel[:1])
+
+
 def test_bad_arguments_are_refused():
     q, scale, quads = int8_stack(14, 1, 64, 32, 32)
     x = jnp.zeros((1, 64), jnp.float32)
     with pytest.raises(ValueError, match="quad strips are multiplied with int16=True only"):
         linear(x, quads, 0, scale, 32)
+    with pytest.raises(ValueError, match="int16=True multiplies int8 weights"):
+        linear(x, q, 0, scale, 32, offset=scale, int16=True)
     with pytest.raises(ValueError, match="int16=True multiplies int8 weights"):
         linear(x, q.astype(jnp.float32), 0, int16=True)
     with pytest.raises(ValueError, match="int16=True multiplies int8 weights"):

@@ -68,7 +68,8 @@ class ModelConfig:
     # reduction axis
     quantization: str | None = None
     quant_window: int = 0
-    # "gguf" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are): the stacks held as 4-bit
+    # "gguf" / "gguf_int" (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are; gguf_int: inputs
+    # quantized to 16-bit integers): the stacks held as 4-bit
     # codes, which carry an offset per window besides the scale ("lm_head_q" for the LM head)
     quant_offsets: tuple[str, ...] = ()
 
@@ -83,9 +84,9 @@ class ModelConfig:
 
     @property
     def int16_inputs(self) -> bool:
-        """--quantization w8a16_int: each projection's input quantized to 16-bit integers (ops.linear's
-        `int16`)."""
-        return self.quantization == "w8a16_int"
+        """--quantization w8a16_int / gguf_int: each projection's input quantized to 16-bit integers
+        (ops.linear's `int16`)."""
+        return self.quantization in ("w8a16_int", "gguf_int")
 
     @property
     def family(self) -> str:
@@ -253,7 +254,7 @@ class EngineConfig:
     # store the dense projections and the LM head in 8 bits at load time: "int8" | "fp8_e4m3" | "fp8_e5m2",
     # or "w8a16" (int8 weights, inputs rounded to bfloat16), or "w8a16_int" (int8 weights, inputs
     # quantized to 16-bit integers per window); or keep a GGUF file's Q8_0 / Q4_0 / Q4_1
-    # blocks as they are: "gguf"
+    # blocks as they are: "gguf" (inputs float32) or "gguf_int" (inputs quantized to 16-bit integers)
     quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -16,13 +16,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2", "w8a16", "w8a16_int", "gguf"],
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2", "w8a16", "w8a16_int", "gguf",
+                                                                  "gguf_int"],
                    help="store the projections and the LM head in 8 bits (quantized at load time, one scale "
                         "per 64 rows of each reduction axis); w8a16: int8 weights, inputs rounded to bfloat16 "
                         "(multiplied with AMX or AVX512-BF16 where the CPU has them); w8a16_int: int8 weights, "
                         "inputs quantized to 16-bit integers per window (integer dot products, AVX512-VNNI where "
                         "the CPU has it); gguf: keep a GGUF file's Q8_0 / Q4_0 / "
-                        "Q4_1 blocks as they are (4-bit weights stay 4-bit)")
+                        "Q4_1 blocks as they are (4-bit weights stay 4-bit); gguf_int: the same blocks, inputs quantized "
+                        "to 16-bit integers as w8a16_int's")
     p.add_argument("--expert-quantization", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2"],
                    help="store an MoE model's experts in 8 bits (quantized at load time)")
     p.add_argument("--expert-quantization-window", type=int, default=256,

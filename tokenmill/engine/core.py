@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -15,7 +16,9 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.distributed.mesh import check_model_fits, make_mesh
 from tokenmill.executor import distributed_executor_backend
 from tokenmill.model.loader import LoadedModel, load_config, load_model
-from tokenmill.model.quantize import quantize_experts, quantize_linear_layers
+from tokenmill.model.quantize import (
+    KEEP_GGUF_BLOCKS, KEEP_GGUF_BLOCKS_INT, quantize_experts, quantize_linear_layers,
+)
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.compilation_cache import enable_compilation_cache
 from tokenmill.worker.memory import free_device_memory
@@ -55,7 +58,10 @@ def prepare_model(config: EngineConfig, model: LoadedModel | None, tokenizer: bo
     experts quantized if asked. Runs where the weights are placed: in the engine, or in each host's
     worker (worker/worker.py)."""
     if model is None:
-        model = load_model(config.model, tokenizer=tokenizer, keep_gguf_blocks=config.quantization == "gguf")
+        model = load_model(config.model, tokenizer=tokenizer,
+                           keep_gguf_blocks=config.quantization in (KEEP_GGUF_BLOCKS, KEEP_GGUF_BLOCKS_INT))
+        if config.quantization == KEEP_GGUF_BLOCKS_INT and model.config.quantization == KEEP_GGUF_BLOCKS:
+            model = dataclasses.replace(model, config=dataclasses.replace(model.config, quantization=KEEP_GGUF_BLOCKS_INT))
     if config.expert_quantization and not model.config.expert_quantization:
         model = quantize_experts(model, config.expert_quantization, config.expert_quantization_window)
         logger.info("experts quantized at load time to %s, one scale per %d rows",

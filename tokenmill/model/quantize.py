@@ -34,6 +34,8 @@ QUANTIZATIONS = {**EXPERT_QUANTIZATIONS, "w8a16": jnp.int8, "w8a16_int": jnp.int
 LINEAR_WINDOW = 64  # rows per scale (llama.cpp's Q8_0 blocks hold 32)
 # --quantization gguf: no quantizing at all, a GGUF file's own blocks kept (loader/gguf_blocks.py)
 KEEP_GGUF_BLOCKS = "gguf"
+# the same blocks, multiplied by inputs quantized to 16-bit integers (as w8a16_int's)
+KEEP_GGUF_BLOCKS_INT = "gguf_int"
 
 
 def quantize_experts(model: LoadedModel, kind: str, window: int) -> LoadedModel:
@@ -64,11 +66,12 @@ def quantize_linear_layers(model: LoadedModel, kind: str) -> LoadedModel:
     from tokenmill.model.llama import LINEAR_WEIGHTS
 
     cfg = model.config
-    if kind == KEEP_GGUF_BLOCKS:
+    if kind in (KEEP_GGUF_BLOCKS, KEEP_GGUF_BLOCKS_INT):
         raise ValueError(f"quantization={kind!r} keeps a GGUF file's blocks as the model loads (load_model's "
                          f"keep_gguf_blocks); {model.source} was loaded without them")
     if kind not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or {KEEP_GGUF_BLOCKS}, got {kind!r}")
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, {KEEP_GGUF_BLOCKS} or "
+                         f"{KEEP_GGUF_BLOCKS_INT}, got {kind!r}")
     if cfg.architecture not in LLAMA_FAMILY:
         raise ValueError(f"quantization={kind!r} is implemented for the Llama family; {cfg.architecture} is not")
     if cfg.quantization:
@@ -76,6 +79,9 @@ def quantize_linear_layers(model: LoadedModel, kind: str) -> LoadedModel:
     # one window for the whole model (the forward takes it as a static value); 0: one scale per column
     reductions = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
     window = LINEAR_WINDOW if all(k % LINEAR_WINDOW == 0 for k in reductions if k) else 0
+    if kind == "w8a16_int" and not window:
+        raise ValueError(f"quantization={kind!r} needs reduction axes that are multiples of {LINEAR_WINDOW} "
+                         f"(its integer sums run per window); {cfg.architecture}'s are {reductions}")
     dtype = QUANTIZATIONS[kind]
     layers = dict(model.params["layers"])
     for key in LINEAR_WEIGHTS:

@@ -18,9 +18,10 @@ float32, then scaled), else on the float32 path.
 
 `int16=True` (`--quantization w8a16_int`) quantizes x to 16-bit integers, per row and window of the
 weights' `wsz`: each window's products are then exact integers, scaled by both steps into float32
-(`int16_products`). On CPU the kernel multiplies them with integer dot products (AVX512-VNNI's
-VPDPBUSD, ops/cpu/int8_dot.h: each of x's integers split into two int8) from the stack in quad
-strips (`ops.cpu.linear.to_int8_quads`, made by `kernel_layout(..., int16=True)`). (x quantized to
+(`int16_products`), for int8 weights and for 4-bit codes with offsets (`--quantization gguf_int`).
+On CPU the kernel multiplies them with integer dot products (AVX512-VNNI's VPDPBUSD,
+ops/cpu/int8_dot.h: each of x's integers split into two int8) from the stack in quad strips
+(`ops.cpu.linear.to_int8_quads` / `to_uint4_quads`, made by `kernel_layout(..., int16=True)`). (x quantized to
 8 bits alone, as llama.cpp's Q8_0 does, moved SmolLM2's greedy output off float32's on five of the
 eight parity prompts, three to 22 tokens in, away from any near tie; perplexity +0.6%.)
 """
@@ -43,11 +44,12 @@ def to_bf16_values(x: jax.Array) -> jax.Array:
     return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def int16_products(x: jax.Array, q: jax.Array, scale: jax.Array, wsz: int) -> jax.Array:
+def int16_products(x: jax.Array, q: jax.Array, scale: jax.Array, wsz: int, offset: jax.Array | None = None) -> jax.Array:
     """x [M, K] quantized to integers per row and window of `wsz` (step = max|x| / INT16_STEPS, or 1 for
-    an all-zero window; x / step rounded to the nearest, ties to even), times int8 weights q [K, N]
-    with scales [K / wsz, N]: each window's products summed exactly in int32, then scaled by x's step
-    times the weights' scale → f32[M, N]."""
+    an all-zero window; x / step rounded to the nearest, ties to even), times integer weights q [K, N]
+    (int8, or 4-bit codes with `offset`: value = code * scale + offset) with scales [K / wsz, N]: each
+    window's products summed exactly in int32, then scaled by x's step times the weights' scale (plus
+    x's step times the offset times the window's sum of x's integers) → f32[M, N]."""
     M, K = x.shape
     windows, N = K // wsz, q.shape[1]
     parts = x.astype(jnp.float32).reshape(M, windows, wsz)
@@ -56,7 +58,10 @@ def int16_products(x: jax.Array, q: jax.Array, scale: jax.Array, wsz: int) -> ja
     xq = jnp.clip(jnp.round(parts / step), -INT16_STEPS, INT16_STEPS).astype(jnp.int32)
     sums = jnp.einsum("mwk,wkn->mwn", xq, q.reshape(windows, wsz, N).astype(jnp.int32),
                       preferred_element_type=jnp.int32)
-    return jnp.sum(sums.astype(jnp.float32) * (step * scale[None]), axis=1)
+    terms = sums.astype(jnp.float32) * (step * scale[None])
+    if offset is not None:
+        terms = terms + jnp.sum(xq, axis=2, keepdims=True).astype(jnp.float32) * (step * offset[None])
+    return jnp.sum(terms, axis=1)
 
 
 def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
@@ -64,8 +69,12 @@ def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None
     """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N]); `bf16`: x
     rounded to bfloat16 first; `int16`: x quantized to 16-bit integers (int8 w)."""
     if int16:
-        stored = cpu_linear.from_int8_quads(w[layer]) if cpu_linear.is_int8_quads(w) else w[layer]
-        return int16_products(x, stored, scale[layer], wsz)
+        stored, quads = w[layer], cpu_linear.is_quads(w)
+        if offset is None:
+            codes = cpu_linear.from_int8_quads(stored) if quads else stored
+            return int16_products(x, codes, scale[layer], wsz)
+        codes = cpu_linear.from_uint4_quads(stored) if quads else cpu_linear.from_uint4_strips(stored)
+        return int16_products(x, codes, scale[layer], wsz, offset[layer])
     if cpu_linear.is_uint4_strips(w):
         stored = cpu_linear.from_uint4_strips(w[layer])
     else:
@@ -78,9 +87,10 @@ def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None
 
 
 def in_features(w: jax.Array) -> int:
-    """K, the reduction axis of the stack `w` ([L, K, N] or its strips, 4-bit ones and int8 quads too)."""
-    if cpu_linear.is_int8_quads(w):
-        return w.shape[2] * cpu_linear.QUAD
+    """K, the reduction axis of the stack `w` ([L, K, N] or its strips, 4-bit ones too; not quad strips,
+    whose rows hold 4 or 8 k)."""
+    if cpu_linear.is_quads(w):
+        raise ValueError("in_features: quad strips do not say whether their rows hold 4 or 8 k")
     return w.shape[2] if w.ndim == 4 else w.shape[1]
 
 
@@ -97,7 +107,9 @@ def kernel_runs(w: jax.Array, mesh: jax.sharding.Mesh) -> bool:
 def kernel_layout(w: jax.Array, mesh: jax.sharding.Mesh, int16: bool = False) -> jax.Array:
     """The [L, K, N] stack `w` in the layout `linear` multiplies fastest where it runs over `mesh`: the
     CPU kernel's strips (float32 or 8-bit weights; scales unchanged) where the kernel will compute
-    them, its int8 quad strips for int8 weights with `int16`, else `w` itself."""
+    them, its quad strips for int8 weights and 4-bit strips with `int16`, else `w` itself."""
+    if int16 and cpu_linear.is_uint4_strips(w) and kernel_runs(w, mesh) and w.shape[2] % (2 * cpu_linear.QUAD) == 0:
+        return jax.jit(lambda s: cpu_linear.to_uint4_quads(cpu_linear.from_uint4_strips(s)))(w)
     if not takes_strips(w, mesh):
         return w
     if int16 and jnp.dtype(w.dtype) == jnp.int8 and w.shape[1] % cpu_linear.QUAD == 0:
@@ -134,13 +146,16 @@ def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, ws
     to bfloat16 first (8-bit w only); `int16`: x quantized to 16-bit integers per window (int8 w, or its quad strips)."""
     if bf16 and (scale is None or offset is not None):
         raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
-    quads = cpu_linear.is_int8_quads(w)
+    quads = cpu_linear.is_quads(w)
     if quads and not int16:
-        raise ValueError("linear: int8 quad strips are multiplied with int16=True only")
-    int8_stack = quads or (jnp.dtype(w.dtype) == jnp.int8 and w.ndim == 3)
-    if int16 and (not int8_stack or scale is None or offset is not None or bf16):
-        raise ValueError("linear: int16=True multiplies int8 weights [L, K, N] or their quad strips, with their "
-                         "scales (no offsets, no bf16)")
+        raise ValueError("linear: quad strips are multiplied with int16=True only")
+    integers = quads or (
+        (jnp.dtype(w.dtype) == jnp.int8 and w.ndim == 3 and offset is None)
+        or (cpu_linear.is_uint4_strips(w) and offset is not None)
+    )
+    if int16 and (not integers or scale is None or bf16):
+        raise ValueError("linear: int16=True multiplies int8 weights [L, K, N], 4-bit strips with offsets, or "
+                         "their quad strips, with their scales (no bf16)")
     if (quads or not int16) and _use_cpu_kernel(x, w, scale) and (not quads or wsz <= cpu_linear.MAX_INT_WINDOW):
         return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset)
     return linear_ref(x, w, layer, scale, wsz, bf16, offset, int16)

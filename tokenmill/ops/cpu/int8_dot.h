@@ -1,4 +1,5 @@
-// --quantization w8a16_int: int8 weights times x quantized to 16-bit integers, with integer dot products
+// --quantization w8a16_int / gguf_int: int8 weights (or GGUF's 4-bit codes) times x quantized to 16-bit
+// integers, with integer dot products
 // (AVX512-VNNI's VPDPBUSD where the CPU has it: 64 multiply-adds of bytes an instruction, against a
 // float32 FMA's 16).
 //
@@ -17,8 +18,10 @@
 // are stored in "quad strips" (made at load time, linear.py's `to_int8_quads`): strips of kStrip
 // columns as elsewhere, each row of a strip holding 4 consecutive k of every column ([K / 4][32][4]
 // bytes), each code stored plus 128, unsigned. The 128 * sum(hi) (and lo) this adds is taken off each
-// window's sum again (the window sums of hi and lo are kept when x is quantized). Every sum fits in
-// int32 for windows of up to kMaxIntWindow.
+// window's sum again (the window sums of hi and lo are kept when x is quantized). 4-bit codes (0..15,
+// value = code * scale + offset) need no such shift: their "nibble quad strips" hold 8 k a row, k in
+// the low nibbles of a column's 4 bytes and k + 4 in the high ones, and each window adds its offsets
+// times the window's sum of q. Every sum fits in int32 for windows of up to kMaxIntWindow.
 
 #pragma once
 
@@ -81,25 +84,48 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
     }
 }
 
+// Weights for the integer dot products, one layer's: int8 codes in quad strips (plus 128), or 4-bit
+// codes in nibble quad strips (GGUF's Q4_0 / Q4_1 blocks: value = code * scale + offset), with a
+// scale (and an offset) per window of wsz rows and column ([K / wsz, N])
+struct IntWeights {
+  const uint8_t* data = nullptr;
+  const float* scale = nullptr;
+  const float* offset = nullptr;  // 4-bit codes only
+  int64_t K = 0, N = 0, wsz = 0;
+  bool nibbles = false;
+
+  int64_t k_per_row() const { return nibbles ? 2 * kQuad : kQuad; }  // k per 128-byte row of a strip
+  const uint8_t* strip(int64_t n) const { return data + (n / kStrip) * (K / k_per_row()) * kQuadRowBytes; }
+};
+
 // One window of a row into its float32 outputs, for the 32 columns of a strip: its sums of hi and lo
-// times the stored codes (each still offset by 128) made the window's integer sum, then scaled.
+// times the stored codes made the window's integer sum (int8 codes: less the 128 each code carries),
+// then scaled (4-bit codes: plus the offsets times the window's sum of q).
+template <bool nibbles>
 TM_INLINE void scale_window(const int32_t* hi_sums, const int32_t* lo_sums, int32_t sum_hi, int32_t sum_lo,
-                            float step, const float* scale, float* y) {
-  const int32_t hi_offset = 128 * sum_hi, lo_offset = 128 * sum_lo;
+                            float step, const float* scale, const float* offset, float* y) {
+  const int32_t hi_offset = nibbles ? 0 : 128 * sum_hi, lo_offset = nibbles ? 0 : 128 * sum_lo;
   for (int j = 0; j < kStrip; ++j) {
     const int32_t sum = kSplit * (hi_sums[j] - hi_offset) + (lo_sums[j] - lo_offset);
     y[j] = lane_fma(float(sum), step * scale[j], y[j]);
   }
+  if constexpr (nibbles) {
+    const float q_sum = float(kSplit * sum_hi + sum_lo);
+    for (int j = 0; j < kStrip; ++j) y[j] = lane_fma(q_sum, step * offset[j], y[j]);
+  }
 }
 
-// Rows [0, R) of x (quantized, from `rows`' row m0) times one quad strip (32 columns from n, all K)
+// Rows [0, R) of x (quantized, from `rows`' row m0) times the strip of columns [n, n + 32), all K,
 // into y's rows (leading dimension N): windows in order, each summed in integers and then scaled.
+// A row of an int8 quad strip holds 4 k of each column; of a nibble one, 8: the low nibbles of a
+// column's 4 bytes are k 0-3, the high ones k 4-7.
 // (Decoding streams each strip from memory once, and is not prefetched in software: the hardware's
 // prefetchers follow the strips, and each line's PREFETCHT0 ahead cost SmolLM2's decoding about 8%.)
-template <int R>
-static void dot_strip(int64_t K, int64_t wsz, int64_t N, const QuantizedRows& rows, int64_t m0, const uint8_t* strip,
-                      const float* scale, float* y, int64_t n) {
-  const int64_t windows = K / wsz;
+template <int R, bool nibbles>
+static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0, float* y, int64_t n) {
+  const int64_t K = B.K, wsz = B.wsz, windows = K / wsz;
+  constexpr int64_t kRowK = nibbles ? 2 * kQuad : kQuad;
+  const uint8_t* strip = B.strip(n);
   const int8_t* hi = rows.hi.data() + m0 * K;
   const int8_t* lo = rows.lo.data() + m0 * K;
   float out[R][kStrip] = {};
@@ -109,17 +135,27 @@ static void dot_strip(int64_t K, int64_t wsz, int64_t N, const QuantizedRows& ro
     __m512i acc[R][2][2];  // [row][hi, lo][16 columns]
     for (int i = 0; i < R; ++i)
       for (int part = 0; part < 2; ++part) acc[i][part][0] = acc[i][part][1] = _mm512_setzero_si512();
-    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kQuad) {
-      const uint8_t* row = strip + (k / kQuad) * kQuadRowBytes;
-      const __m512i b0 = _mm512_loadu_si512(row), b1 = _mm512_loadu_si512(row + 64);
-      for (int i = 0; i < R; ++i)
-        for (int part = 0; part < 2; ++part) {
-          int32_t quad;
-          std::memcpy(&quad, (part == 0 ? hi : lo) + i * K + k, 4);
-          const __m512i a = _mm512_set1_epi32(quad);
-          acc[i][part][0] = _mm512_dpbusd_epi32(acc[i][part][0], b0, a);
-          acc[i][part][1] = _mm512_dpbusd_epi32(acc[i][part][1], b1, a);
+    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kRowK) {
+      const uint8_t* row = strip + (k / kRowK) * kQuadRowBytes;
+      __m512i b[nibbles ? 2 : 1][2];  // [the row's quads][16 columns]
+      b[0][0] = _mm512_loadu_si512(row);
+      b[0][1] = _mm512_loadu_si512(row + 64);
+      if constexpr (nibbles) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int v = 0; v < 2; ++v) {
+          b[1][v] = _mm512_and_si512(_mm512_srli_epi16(b[0][v], 4), low);
+          b[0][v] = _mm512_and_si512(b[0][v], low);
         }
+      }
+      for (int quad = 0; quad < (nibbles ? 2 : 1); ++quad)
+        for (int i = 0; i < R; ++i)
+          for (int part = 0; part < 2; ++part) {
+            int32_t x4;
+            std::memcpy(&x4, (part == 0 ? hi : lo) + i * K + k + quad * kQuad, 4);
+            const __m512i a = _mm512_set1_epi32(x4);
+            acc[i][part][0] = _mm512_dpbusd_epi32(acc[i][part][0], b[quad][0], a);
+            acc[i][part][1] = _mm512_dpbusd_epi32(acc[i][part][1], b[quad][1], a);
+          }
     }
     for (int i = 0; i < R; ++i)
       for (int part = 0; part < 2; ++part) {
@@ -129,55 +165,64 @@ static void dot_strip(int64_t K, int64_t wsz, int64_t N, const QuantizedRows& ro
 #else
     for (int i = 0; i < R; ++i)
       for (int part = 0; part < 2; ++part) std::fill(sums[i][part], sums[i][part] + kStrip, 0);
-    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kQuad) {
-      const uint8_t* row = strip + (k / kQuad) * kQuadRowBytes;
+    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kRowK) {
+      const uint8_t* row = strip + (k / kRowK) * kQuadRowBytes;
       for (int i = 0; i < R; ++i)
         for (int part = 0; part < 2; ++part) {
           const int8_t* a = (part == 0 ? hi : lo) + i * K + k;
           for (int j = 0; j < kStrip; ++j) {
-            const uint8_t* b = row + j * kQuad;
-            sums[i][part][j] +=
-                int32_t(b[0]) * a[0] + int32_t(b[1]) * a[1] + int32_t(b[2]) * a[2] + int32_t(b[3]) * a[3];
+            const uint8_t* c = row + j * kQuad;
+            int32_t sum = 0;
+            for (int t = 0; t < kQuad; ++t) {
+              if constexpr (nibbles)
+                sum += int32_t(c[t] & 0x0f) * a[t] + int32_t(c[t] >> 4) * a[kQuad + t];
+              else
+                sum += int32_t(c[t]) * a[t];
+            }
+            sums[i][part][j] += sum;
           }
         }
     }
 #endif
-    const float* window_scale = scale + w * N + n;
+    const float* window_scale = B.scale + w * B.N + n;
+    const float* window_offset = nibbles ? B.offset + w * B.N + n : nullptr;
     for (int i = 0; i < R; ++i) {
       const int64_t at = (m0 + i) * windows + w;
-      scale_window(sums[i][0], sums[i][1], rows.sum_hi[at], rows.sum_lo[at], rows.step[at], window_scale, out[i]);
+      scale_window<nibbles>(sums[i][0], sums[i][1], rows.sum_hi[at], rows.sum_lo[at], rows.step[at], window_scale,
+                            window_offset, out[i]);
     }
   }
-  for (int i = 0; i < R; ++i) std::memcpy(y + i * N + n, out[i], sizeof(out[i]));
+  for (int i = 0; i < R; ++i) std::memcpy(y + i * B.N + n, out[i], sizeof(out[i]));
 }
 
 // Rows [m, m + R) of y over the strips of columns [n0, n1)
 template <int R>
-static void dot_tiles(int64_t K, int64_t wsz, int64_t N, const QuantizedRows& rows, const uint8_t* B,
-                      const float* scale, float* y, int64_t m, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += kStrip)
-    dot_strip<R>(K, wsz, N, rows, m, B + (n / kStrip) * K * kStrip, scale, y + m * N, n);
+static void dot_tiles(const IntWeights& B, const QuantizedRows& rows, float* y, int64_t m, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += kStrip) {
+    if (B.nibbles)
+      dot_strip<R, true>(B, rows, m, y + m * B.N, n);
+    else
+      dot_strip<R, false>(B, rows, m, y + m * B.N, n);
+  }
 }
 
 template <int... Rs>
 constexpr auto dot_tile_table(std::integer_sequence<int, Rs...>) {
-  using Tiles = void (*)(int64_t, int64_t, int64_t, const QuantizedRows&, const uint8_t*, const float*, float*,
-                         int64_t, int64_t, int64_t);
+  using Tiles = void (*)(const IntWeights&, const QuantizedRows&, float*, int64_t, int64_t, int64_t);
   return std::array<Tiles, sizeof...(Rs)>{&dot_tiles<Rs + 1>...};
 }
 constexpr auto kDotTiles = dot_tile_table(std::make_integer_sequence<int, kDotTileRows>{});  // [r - 1]: r rows
 
-// Columns [n0, n1) (whole strips) of y = x . B, B in quad strips: up to kGemvRows rows (decoding) in
-// one pass over the strips, each streamed from memory once; more in tiles of up to kDotTileRows rows
-// over each strip, kMC rows of x at a time so that they stay in L2 while the block's strips pass.
-static void dot_gemm(int64_t M, int64_t K, int64_t wsz, int64_t N, const QuantizedRows& rows, const uint8_t* B,
-                     const float* scale, float* y, int64_t n0, int64_t n1) {
-  if (M <= kGemvRows) return kDotTiles[M - 1](K, wsz, N, rows, B, scale, y, 0, n0, n1);
+// Columns [n0, n1) (whole strips) of y = x . B: up to kGemvRows rows (decoding) in one pass over the
+// strips, each streamed from memory once; more in tiles of up to kDotTileRows rows over each strip,
+// kMC rows of x at a time so that they stay in L2 while the block's strips pass.
+static void dot_gemm(int64_t M, const IntWeights& B, const QuantizedRows& rows, float* y, int64_t n0, int64_t n1) {
+  if (M <= kGemvRows) return kDotTiles[M - 1](B, rows, y, 0, n0, n1);
   for (int64_t mc = 0; mc < M; mc += kMC)
     for (int64_t n = n0; n < n1; n += kStrip)
       for (int64_t m = mc; m < std::min(M, mc + kMC); m += kDotTileRows) {
         const int64_t r = std::min<int64_t>(kDotTileRows, M - m);
-        kDotTiles[r - 1](K, wsz, N, rows, B, scale, y, m, n, n + kStrip);
+        kDotTiles[r - 1](B, rows, y, m, n, n + kStrip);
       }
 }
 

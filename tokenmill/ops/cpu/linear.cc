@@ -98,20 +98,30 @@ constexpr int64_t kParallelPackFloats = int64_t(1) << 16;
 constexpr int64_t kRowChunkRows = 512;
 constexpr int64_t kRowChunks = 4;
 
-// --quantization w8a16_int (int8_dot.h): x quantized to 16-bit integers per window, times int8
-// weights in quad strips [L, N / 32, K / 4, 32, 4] (codes + 128), with integer dot products
-ffi::Error LinearInt8Dot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const ffi::AnyBuffer& w,
-                         const ffi::Buffer<ffi::F32>& scale, int64_t layer, float* y, int64_t wsz) {
+// --quantization w8a16_int / gguf_int (int8_dot.h): x quantized to 16-bit integers per window, times
+// int8 weights in quad strips [L, N / 32, K / 4, 32, 4] (codes + 128), or 4-bit codes in nibble quad
+// strips [L, N / 32, K / 8, 32, 4] (with offsets), with integer dot products
+ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const ffi::AnyBuffer& w,
+                        const ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::F32>& offset, int64_t layer,
+                        float* y, int64_t wsz) {
   auto wd = w.dimensions();
   const int64_t L = wd[0], N = wd[1] * kStrip;
-  if (wsz <= 0 || wsz % kQuad != 0 || wsz > kMaxIntWindow || K % wsz != 0)
+  IntWeights B;
+  B.nibbles = offset.element_count() != 0;
+  B.K = K;
+  B.N = N;
+  B.wsz = wsz;
+  if (wsz <= 0 || wsz % B.k_per_row() != 0 || wsz > kMaxIntWindow || K % wsz != 0)
     return ffi::Error::InvalidArgument(
-        "linear: int8 quads need a window size that is a multiple of 4, at most 512, and divides K");
-  if (scale.element_count() != size_t(L * (K / wsz) * N))
-    return ffi::Error::InvalidArgument("linear: int8 quads need one scale per window and column");
+        "linear: integer dot products need a window size that is a multiple of 4 (4-bit codes: 8), at most 512, "
+        "and divides K");
+  const size_t scales = size_t(L * (K / wsz) * N);
+  if (scale.element_count() != scales || (B.nibbles && offset.element_count() != scales))
+    return ffi::Error::InvalidArgument("linear: integer dot products need one scale (and offset) per window and column");
   const int64_t l = wrap_clamp(layer, L);
-  const uint8_t* B = static_cast<const uint8_t*>(w.untyped_data()) + l * K * N;
-  const float* scales = scale.typed_data() + l * (K / wsz) * N;
+  B.data = static_cast<const uint8_t*>(w.untyped_data()) + l * (K / B.k_per_row()) * (N / kStrip) * kQuadRowBytes;
+  B.scale = scale.typed_data() + l * (K / wsz) * N;
+  if (B.nibbles) B.offset = offset.typed_data() + l * (K / wsz) * N;
   if (M == 0 || N == 0) return ffi::Error::Success();
   const int64_t windows = K / wsz;
   thread_local QuantizedRows kept;  // kept across calls, like the other paths' packed A
@@ -122,7 +132,8 @@ ffi::Error LinearInt8Dot(ffi::ThreadPool& pool, const float* x, int64_t M, int64
   rows.sum_hi.resize(M * windows);
   rows.sum_lo.resize(M * windows);
   // waking a helper costs more than it saves below these sizes (as on the other paths)
-  const bool alone = M <= kGemvRows ? K * N < (int64_t(1) << 19) : M * K * N < (int64_t(1) << 22);
+  const int64_t bytes = K * N / (B.nibbles ? 2 : 1);
+  const bool alone = M <= kGemvRows ? bytes < (int64_t(1) << 19) : M * K * N < (int64_t(1) << 22);
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   struct NoState {};
   auto make = [] { return std::make_unique<NoState>(); };
@@ -140,9 +151,7 @@ ffi::Error LinearInt8Dot(ffi::ThreadPool& pool, const float* x, int64_t M, int64
   const int64_t per_thread = M <= kGemvRows ? 2 : 4;
   const int64_t block = round_up(std::max<int64_t>(kStrip, (N + per_thread * threads - 1) / (per_thread * threads)), kStrip);
   const int64_t blocks = (N + block - 1) / block;
-  auto run = [&](int64_t i, NoState&) {
-    dot_gemm(M, K, wsz, N, rows, B, scales, y, i * block, std::min(N, (i + 1) * block));
-  };
+  auto run = [&](int64_t i, NoState&) { dot_gemm(M, B, rows, y, i * block, std::min(N, (i + 1) * block)); };
   if (alone) {
     NoState none;
     for (int64_t i = 0; i < blocks; ++i) run(i, none);
@@ -157,13 +166,15 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                       int64_t wsz, int64_t bf16) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (w.element_type() == ffi::DataType::U8 && wd.size() == 5) {
-    if (xd.size() != 2 || wd[2] * kQuad != xd[1] || wd[3] != kStrip || wd[4] != kQuad || wd[0] <= 0)
-      return ffi::Error::InvalidArgument("linear: expected x [M, K] and int8 quads [L, N / 32, K / 4, 32, 4]");
-    if (layer.element_count() != 1 || y->element_count() != size_t(xd[0] * wd[1] * kStrip) ||
-        offset.element_count() != 0 || bf16 != 0)
-      return ffi::Error::InvalidArgument("linear: int8 quads take a scalar layer, y [M, N], no offsets and no bf16");
-    return LinearInt8Dot(pool, x.typed_data(), xd[0], xd[1], w, scale, layer.typed_data()[0], y->typed_data(), wsz);
+  if (w.element_type() == ffi::DataType::U8 && wd.size() == 5) {  // quad strips: integer dot products
+    const int64_t row_k = offset.element_count() != 0 ? 2 * kQuad : kQuad;
+    if (xd.size() != 2 || wd[2] * row_k != xd[1] || wd[3] != kStrip || wd[4] != kQuad || wd[0] <= 0)
+      return ffi::Error::InvalidArgument(
+          "linear: expected x [M, K] and int8 quads [L, N / 32, K / 4, 32, 4] or 4-bit ones [L, N / 32, K / 8, 32, 4]");
+    if (layer.element_count() != 1 || y->element_count() != size_t(xd[0] * wd[1] * kStrip) || bf16 != 0)
+      return ffi::Error::InvalidArgument("linear: quad strips take a scalar layer, y [M, N] and no bf16");
+    return LinearIntDot(pool, x.typed_data(), xd[0], xd[1], w, scale, offset, layer.typed_data()[0], y->typed_data(),
+                        wsz);
   }
   const bool uint4 = w.element_type() == ffi::DataType::U8;
   const bool strips = wd.size() == 4;

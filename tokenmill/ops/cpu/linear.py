@@ -14,10 +14,11 @@ converts its projections once at load time. 4-bit codes (GGUF's Q4_0 / Q4_1 bloc
 `--quantization gguf`) exist in strips only, two per byte (`to_uint4_strips`), with a scale and an
 offset per window: value = code * scale + offset.
 
-int8 weights multiplied by x quantized to 16-bit integers (--quantization w8a16_int, int8_dot.h) take their own
-layout, `to_int8_quads`: [L, N / STRIP, K / 4, STRIP, 4] uint8, each strip's rows holding 4
-consecutive k of every column, each code stored plus 128 (what the CPU's unsigned-by-signed byte dot
-products, AVX512-VNNI's VPDPBUSD, multiply).
+Weights multiplied by x quantized to 16-bit integers (--quantization w8a16_int / gguf_int, int8_dot.h)
+take their own layout, quad strips: int8 codes `to_int8_quads`, [L, N / STRIP, K / 4, STRIP, 4]
+uint8, each strip's rows holding 4 consecutive k of every column, each code stored plus 128 (what the
+CPU's unsigned-by-signed byte dot products, AVX512-VNNI's VPDPBUSD, multiply); 4-bit codes
+`to_uint4_quads`, [L, N / STRIP, K / 8, STRIP, 4], each byte holding k and k + 4 in its nibbles.
 """
 
 from __future__ import annotations
@@ -55,14 +56,15 @@ def is_uint4_strips(w: jax.Array) -> bool:
     return jnp.dtype(w.dtype) == jnp.uint8 and w.ndim == 4 and w.shape[3] == STRIP // 2
 
 
-def is_int8_quads(w: jax.Array) -> bool:
-    """Whether `w` holds int8 weights in quad strips ([L, N / STRIP, K / 4, STRIP, 4] uint8, `to_int8_quads`)."""
+def is_quads(w: jax.Array) -> bool:
+    """Whether `w` holds quad strips ([L, N / STRIP, rows, STRIP, 4] uint8): int8 codes (`to_int8_quads`),
+    or 4-bit ones (`to_uint4_quads`, which come with offsets)."""
     return jnp.dtype(w.dtype) == jnp.uint8 and w.ndim == 5 and w.shape[3:] == (STRIP, QUAD)
 
 
 def usable_for(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> bool:
     """Whether the kernel computes these operands (assumes the platform is CPU)."""
-    if is_uint4_strips(w) or is_int8_quads(w):
+    if is_uint4_strips(w) or is_quads(w):
         return x.ndim == 2 and jnp.dtype(x.dtype) == _F32 and scale is not None
     in_strips = w.ndim == 4 and w.shape[3] == STRIP
     return x.ndim == 2 and (w.ndim == 3 or in_strips) and supported_dtypes(x, w, scale)
@@ -117,12 +119,31 @@ def from_int8_quads(quads: jax.Array) -> jax.Array:
     return from_strips(jnp.swapaxes(codes, -1, -2).reshape(*lead, R * QUAD, STRIP))
 
 
+def to_uint4_quads(codes: jax.Array) -> jax.Array:
+    """4-bit codes [..., K, N] (values 0..15; K a multiple of 2 * QUAD, N of STRIP) → nibble quad strips
+    [..., N / STRIP, K / 8, STRIP, QUAD] uint8: byte i of column j in row r of a strip holds k = 8r + i
+    in its low nibble and k = 8r + 4 + i in its high one."""
+    strips = to_strips(codes.astype(jnp.uint8))
+    *lead, K, _ = strips.shape
+    if K % (2 * QUAD):
+        raise ValueError(f"to_uint4_quads: K={K} is not a multiple of {2 * QUAD}")
+    halves = jnp.moveaxis(strips.reshape(*lead, K // (2 * QUAD), 2, QUAD, STRIP), -1, -2)  # [..., r, half, 32, 4]
+    return halves[..., 0, :, :] | (halves[..., 1, :, :] << 4)
+
+
+def from_uint4_quads(quads: jax.Array) -> jax.Array:
+    """Nibble quad strips (`to_uint4_quads`) → the codes [..., K, N] they hold (uint8)."""
+    halves = jnp.stack([quads & 0x0F, quads >> 4], axis=-3)  # [..., r, half, 32, 4]
+    *lead, R, _, _, _ = halves.shape
+    return from_strips(jnp.moveaxis(halves, -1, -2).reshape(*lead, R * 2 * QUAD, STRIP))
+
+
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
            bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
     """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
     f32[L, K / wsz, N], or 4-bit strips (`to_uint4_strips`) with scale and offset
-    f32[L, K / wsz, N], or int8 quad strips (`to_int8_quads`: x quantized to 16-bit integers per window) with scale
-    → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
+    f32[L, K / wsz, N], or quad strips (`to_int8_quads`, or `to_uint4_quads` with offsets: x quantized to
+    16-bit integers per window) with scale → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     none = jnp.zeros((0,), jnp.float32)
