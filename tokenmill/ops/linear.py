@@ -67,7 +67,8 @@ def int16_products(x: jax.Array, q: jax.Array, scale: jax.Array, wsz: int, offse
 def linear_ref(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
                bf16: bool = False, offset: jax.Array | None = None, int16: bool = False) -> jax.Array:
     """x [M, K] . w[layer]: in x's dtype for unquantized w, else in float32 (→ f32[M, N]); `bf16`: x
-    rounded to bfloat16 first; `int16`: x quantized to 16-bit integers (int8 w)."""
+    rounded to bfloat16 first; `int16`: x quantized to 16-bit integers (int8 w, or 4-bit codes with
+    offsets)."""
     if int16:
         stored, quads = w[layer], cpu_linear.is_quads(w)
         if offset is None:
@@ -143,7 +144,8 @@ def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, ws
            bf16: bool = False, offset: jax.Array | None = None, int16: bool = False) -> jax.Array:
     """x [M, K], w [L, K, N] or its strips [L, N / 32, K, 32] (scale [L, K / wsz, N] for 8-bit w)
     → [M, N] = x . w[layer] (float32 on the kernel and for 8-bit w, else x's dtype); `bf16`: x rounded
-    to bfloat16 first (8-bit w only); `int16`: x quantized to 16-bit integers per window (int8 w, or its quad strips)."""
+    to bfloat16 first (8-bit w only); `int16`: x quantized to 16-bit integers per window (int8 w, 4-bit
+    strips with offsets, or their quad strips)."""
     if bf16 and (scale is None or offset is not None):
         raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
     quads = cpu_linear.is_quads(w)

@@ -1,7 +1,6 @@
 // --quantization w8a16_int / gguf_int: int8 weights (or GGUF's 4-bit codes) times x quantized to 16-bit
-// integers, with integer dot products
-// (AVX512-VNNI's VPDPBUSD where the CPU has it: 64 multiply-adds of bytes an instruction, against a
-// float32 FMA's 16).
+// integers, with integer dot products (AVX512-VNNI's VPDPBUSD where the CPU has it: 64 multiply-adds of
+// bytes an instruction, against a float32 FMA's 16).
 //
 // x is quantized per row and window of `wsz` values (the weights' scale window): step = max|x| /
 // kInt16Steps (1 where the window is all zero), q = round(x / step), ties to even. A window's products
@@ -14,8 +13,9 @@
 // parity prompts; 16 bits keep what int8 weights with float32 inputs give.)
 //
 // VPDPBUSD multiplies bytes, so each q is split into two int8, q = 254 * hi + lo (|hi|, |lo| <= 127),
-// and a window's sum is 254 * sum(hi * w) + sum(lo * w): two dot products for each load of weights. It multiplies unsigned bytes by signed ones, four k at a time per int32 lane, so the weights
-// are stored in "quad strips" (made at load time, linear.py's `to_int8_quads`): strips of kStrip
+// and a window's sum is 254 * sum(hi * w) + sum(lo * w): two dot products for each load of weights.
+// It multiplies unsigned bytes by signed ones, four k at a time per int32 lane, so the weights are
+// stored in "quad strips" (made at load time, linear.py's `to_int8_quads`): strips of kStrip
 // columns as elsewhere, each row of a strip holding 4 consecutive k of every column ([K / 4][32][4]
 // bytes), each code stored plus 128, unsigned. The 128 * sum(hi) (and lo) this adds is taken off each
 // window's sum again (the window sums of hi and lo are kept when x is quantized). 4-bit codes (0..15,
@@ -69,7 +69,8 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
       const float step = amax > 0.f ? amax / float(kInt16Steps) : 1.f;
       int32_t sum_hi = 0, sum_lo = 0;
       for (int64_t i = 0; i < wsz; ++i) {
-        // division, not a reciprocal's product: the jnp reference rounds the same quotients
+        // a division, as the jnp reference writes it (XLA may round a quotient to the other integer
+        // there, which moves an output by one step of x times the weight: within the tests' bounds)
         const float r = std::min(float(kInt16Steps), std::max(-float(kInt16Steps), std::nearbyint(v[i] / step)));
         const int32_t q = int32_t(r);
         const int32_t h = q >= 0 ? (q + kSplit / 2) / kSplit : -((kSplit / 2 - q) / kSplit);  // nearest
