@@ -133,3 +133,9 @@ def test_bad_options_name_the_field(smollm2, tmp_path):
     make_tiny_checkpoint("Gemma3ForCausalLM", path)
     with pytest.raises(ValueError, match=r"quantization='int8' is implemented for the Llama family"):
         LLM(path, quantization="int8", **ENGINE)
+    # integer inputs are summed per 64-row window: a reduction of 96 rows has none
+    path = str(tmp_path / "llama96")
+    make_tiny_checkpoint("LlamaForCausalLM", path, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"quantization='w8a16_int' needs reduction axes that are multiples of 64"):
+        LLM(path, quantization="w8a16_int", **ENGINE)
+    LLM(path, quantization="int8", **ENGINE)  # per-column scales serve the float32 path
