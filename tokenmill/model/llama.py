@@ -76,7 +76,8 @@ def to_kernel_layout(params: dict, mesh, int16: bool = False) -> dict:
     kernels' strips, made once here rather than packed or strided through on every call, and the
     projections of one input side by side (FUSED). Consumes `params`: each array it converts is
     freed as soon as its new copy exists, so loading peaks at one fused stack above the model's size.
-    `int16` (--quantization w8a16_int): int8 stacks go into the kernel's int8 quad strips instead."""
+    `int16` (--quantization w8a16_int / gguf_int): int8 stacks and 4-bit strips go into the kernel's quad
+    strips instead."""
     layers = dict(params["layers"])
     for fused, members in FUSED.items():
         if all(m in layers for m in members) and kernel_runs(layers[members[0]], mesh):

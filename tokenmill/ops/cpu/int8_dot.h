@@ -53,6 +53,14 @@ struct QuantizedRows {
   std::vector<int8_t> hi, lo;
   std::vector<float> step;
   std::vector<int32_t> sum_hi, sum_lo;
+
+  void resize(int64_t M, int64_t K, int64_t wsz) {
+    hi.resize(M * K);
+    lo.resize(M * K);
+    step.resize(M * (K / wsz));
+    sum_hi.resize(M * (K / wsz));
+    sum_lo.resize(M * (K / wsz));
+  }
 };
 
 // rows [m_begin, m_end) of x [M, K] into `out` (sized by the caller for all M rows)

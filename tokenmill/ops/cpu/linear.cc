@@ -83,6 +83,13 @@ const char* uint4_weights(const ffi::AnyBuffer& w, const ffi::Buffer<ffi::F32>& 
   return "";
 }
 
+// Whether waking a helper thread costs more than it saves: decoding, below this many bytes of weights;
+// else below this many multiply-adds (by bytes, SmolLM2's int8 o projection, 576 x 576, ran on one
+// thread at every batch: w8a16 at 2048 rows 199 GFLOP/s, against 370 with both threads)
+bool runs_alone(int64_t M, int64_t K, int64_t N, int64_t weight_bytes) {
+  return M <= kGemvRows ? weight_bytes < (int64_t(1) << 19) : M * K * N < (int64_t(1) << 22);
+}
+
 // One packed panel of B per thread, kept across calls (a fresh 256 KiB buffer costs page faults)
 float* thread_panel() {
   thread_local std::vector<float> panel(kKC * round_up(kNC, kNR));
@@ -123,17 +130,10 @@ ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_
   B.scale = scale.typed_data() + l * (K / wsz) * N;
   if (B.nibbles) B.offset = offset.typed_data() + l * (K / wsz) * N;
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t windows = K / wsz;
   thread_local QuantizedRows kept;  // kept across calls, like the other paths' packed A
   QuantizedRows& rows = kept;  // (inside the lambdas, `kept` would be each worker's own)
-  rows.hi.resize(M * K);
-  rows.lo.resize(M * K);
-  rows.step.resize(M * windows);
-  rows.sum_hi.resize(M * windows);
-  rows.sum_lo.resize(M * windows);
-  // waking a helper costs more than it saves below these sizes (as on the other paths)
-  const int64_t bytes = K * N / (B.nibbles ? 2 : 1);
-  const bool alone = M <= kGemvRows ? bytes < (int64_t(1) << 19) : M * K * N < (int64_t(1) << 22);
+  rows.resize(M, K, wsz);
+  const bool alone = runs_alone(M, K, N, K * N / (B.nibbles ? 2 : 1));
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   struct NoState {};
   auto make = [] { return std::make_unique<NoState>(); };
@@ -203,10 +203,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::Success();
   }
 
-  // waking a helper thread costs more than it saves: decoding, below this many bytes of weights;
-  // else below this many multiply-adds (by bytes, SmolLM2's int8 o projection, 576 x 576, ran on
-  // one thread at every batch: w8a16 at 2048 rows 199 GFLOP/s, against 370 with both threads)
-  const bool alone = M <= kGemvRows ? K * N * weights.elem < (int64_t(1) << 19) : M * K * N < (int64_t(1) << 22);
+  const bool alone = runs_alone(M, K, N, K * N * weights.elem);
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : strips ? kStrip : kNR;  // blocks of whole strips
   // blocks per thread: a helper thread that starts late leaves at most one block to the others.
