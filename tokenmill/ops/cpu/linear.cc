@@ -292,23 +292,23 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     // that a thread streams only its own rows of A and meets each panel of B with all of them (cut by
     // columns, every block re-read all of A: SmolLM2's projections at 2048 rows, 2 threads, 223 ->
     // 240 GFLOP/s; its down projection, K = 1536, 190 -> 230)
-    const int64_t rows = round_up((M + kRowChunks * threads - 1) / (kRowChunks * threads), kMR);
+    const int64_t tiles = RowTiles(M).count, chunks = kRowChunks * threads;  // (M / kMR >= chunks)
     parallel_for<NoState>(
-        pool, (M + rows - 1) / rows, [] { return std::make_unique<NoState>(); },
+        pool, chunks, [] { return std::make_unique<NoState>(); },
         [&](int64_t i, NoState&) {
-          const int64_t m_begin = i * rows, m_end = std::min(M, (i + 1) * rows);
-          pack_a(M, K, xp, pa, m_begin, m_end);
-          gemm_packed(M, N, K, pa, weights, out, thread_panel(), 0, N, {}, m_begin, m_end);
+          const int64_t t_begin = tiles * i / chunks, t_end = tiles * (i + 1) / chunks;
+          pack_a(M, K, xp, pa, t_begin, t_end);
+          gemm_packed(M, N, K, pa, weights, out, thread_panel(), 0, N, {}, t_begin, t_end);
         });
     return ffi::Error::Success();
   }
   if (M * K < kParallelPackFloats) {
     pack_a(M, K, xp, pa);
   } else {  // a prefill's A, packed by one thread, left the others idle (2048 rows: 247 -> 257 GFLOP/s)
-    const int64_t rows = 8 * kMR;
+    const int64_t tiles = RowTiles(M).count, per_item = 8;
     parallel_for<NoState>(
-        pool, (M + rows - 1) / rows, [] { return std::make_unique<NoState>(); },
-        [&](int64_t i, NoState&) { pack_a(M, K, xp, pa, i * rows, std::min(M, (i + 1) * rows)); });
+        pool, (tiles + per_item - 1) / per_item, [] { return std::make_unique<NoState>(); },
+        [&](int64_t i, NoState&) { pack_a(M, K, xp, pa, i * per_item, std::min(tiles, (i + 1) * per_item)); });
   }
   parallel_for<NoState>(
       pool, blocks, [] { return std::make_unique<NoState>(); },
