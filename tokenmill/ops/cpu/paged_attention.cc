@@ -208,17 +208,20 @@ constexpr int kScoreGroup = 3;
 constexpr int kScoreGroup = 1;
 #endif
 
-// Software prefetch of the K and V slots `kPrefetchAhead` keys ahead of the one being scored, into
-// L2 (prefetcht1): the keys of one request are scattered over blocks, which the hardware prefetcher
+// Software prefetch of the K slots `kPrefetchAhead` keys ahead of the one being scored, into L2
+// (prefetcht1): the keys of one request are scattered over blocks, which the hardware prefetcher
 // cannot guess. On AMD Zen 4, 30 layers of SmolLM2 decoding (keys from memory): batch 64 x 192 keys
 // 39.1 -> 34.3 ms, 16 x 1100 keys 61.1 -> 46.6, 1 x 300 keys 1.20 -> 0.43 ms, against 6 keys ahead
 // into L1 (32 ahead into L2: 33.3 ms; 64: 34.6; 32 into L3 only: 35.6).
 constexpr int kPrefetchAhead = 16;
+// V rows are prefetched by P . V itself, the same distance ahead, into L1: when the scores' pass
+// fetched them with the keys, that pass asked for twice the bytes while they waited a whole chunk
+// in L2 (Zen 4, 3 runs each: 64 x 192 keys 34.3-35.8 -> 32.6-34.7 ms; 16 x 1100, 49.9-50.9 -> 44.4-47.5).
+constexpr int kValuePrefetchAhead = 16;
 
 template <typename KT>
 struct Prefetch {
   const KT* const* kp = nullptr;  // slot pointers from the current key on (nullptr: no prefetch)
-  const KT* const* vp = nullptr;
   int64_t count = 0;  // valid pointers from the current key on
   int64_t off = 0;  // elements from the slot start to the item's first kv head
   int64_t bytes = 0;  // bytes of the item's kv heads in one slot
@@ -228,13 +231,8 @@ template <typename KT>
 TM_INLINE void prefetch_key(const Prefetch<KT>& pf, int64_t j) {
   if (pf.kp == nullptr || j >= pf.count) return;
   const char* k = reinterpret_cast<const char*>(pf.kp[j] + pf.off);
-  const char* v = reinterpret_cast<const char*>(pf.vp[j] + pf.off);
-  for (int64_t b = 0; b < pf.bytes; b += 64) {
-    __builtin_prefetch(k + b, 0, 2);
-    __builtin_prefetch(v + b, 0, 2);
-  }
+  for (int64_t b = 0; b < pf.bytes; b += 64) __builtin_prefetch(k + b, 0, 2);
   __builtin_prefetch(k + pf.bytes - 1, 0, 2);  // rows need not start on a cache line
-  __builtin_prefetch(v + pf.bytes - 1, 0, 2);
 }
 
 // Eight keys at a time; the last group repeats the last key (its extra scores land in the chunk's
@@ -264,10 +262,11 @@ constexpr int kPvVectors = 2;
 
 // acc[g][d] += sum_j p[g][j] * v_j[d] over d = d0, d0 + NV * W, ... while NV W-wide vectors fit in
 // D, for GN heads (v_j = vp[j] + off); returns where it stopped. Every element sums its keys in
-// order j = 0, 1, ..., whatever the width.
+// order j = 0, 1, ..., whatever the width. vp[0 : valid] are the item's slots from this chunk on:
+// the rows kValuePrefetchAhead keys on are prefetched, into the next chunk.
 template <int GN, int W, int NV, typename KT>
-TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t off, int n, int64_t d0, int64_t D,
-                             float* acc) {
+TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t d0,
+                             int64_t D, float* acc) {
   using V = typename Vec<W>::type;
   int64_t d = d0;
   for (; d + NV * W <= D; d += NV * W) {
@@ -275,6 +274,10 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t off, i
     for (int g = 0; g < GN; ++g)
       for (int v = 0; v < NV; ++v) a[v][g] = Vec<W>::load(acc + g * D + d + v * W);
     for (int j = 0; j < n; ++j) {
+      if (j + kValuePrefetchAhead < valid) {
+        const char* ahead = reinterpret_cast<const char*>(vp[j + kValuePrefetchAhead] + off + d);
+        for (int b = 0; b < NV * W * int(sizeof(KT)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
+      }
       V x[NV];
       for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
       for (int g = 0; g < GN; ++g) {
@@ -289,9 +292,9 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t off, i
 }
 
 template <int GN, int W, typename KT>
-static void pv_group(const float* p, const KT* const* vp, int64_t off, int n, int64_t D, float* acc) {
-  int64_t d = pv_vectors<GN, W, kPvVectors>(p, vp, off, n, 0, D, acc);
-  d = pv_vectors<GN, W, 1>(p, vp, off, n, d, D, acc);
+static void pv_group(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t D, float* acc) {
+  int64_t d = pv_vectors<GN, W, kPvVectors>(p, vp, valid, off, n, 0, D, acc);
+  d = pv_vectors<GN, W, 1>(p, vp, valid, off, n, d, D, acc);
   for (; d < D; ++d) {
     for (int g = 0; g < GN; ++g) {
       float a = acc[g * D + d];
@@ -320,15 +323,16 @@ static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, 
 }
 
 template <int W, typename KT>
-static void pv_all(const float* p, const KT* const* vp, int64_t off, int n, int64_t G, int64_t D, float* acc) {
+static void pv_all(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t G, int64_t D,
+                   float* acc) {
   for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
     const float* pg = p + g0 * kChunk;
     float* ag = acc + g0 * D;
     switch (std::min<int64_t>(kMaxGroup, G - g0)) {
-      case 1: pv_group<1, W>(pg, vp, off, n, D, ag); break;
-      case 2: pv_group<2, W>(pg, vp, off, n, D, ag); break;
-      case 3: pv_group<3, W>(pg, vp, off, n, D, ag); break;
-      default: pv_group<4, W>(pg, vp, off, n, D, ag); break;
+      case 1: pv_group<1, W>(pg, vp, valid, off, n, D, ag); break;
+      case 2: pv_group<2, W>(pg, vp, valid, off, n, D, ag); break;
+      case 3: pv_group<3, W>(pg, vp, valid, off, n, D, ag); break;
+      default: pv_group<4, W>(pg, vp, valid, off, n, D, ag); break;
     }
   }
 }
@@ -408,7 +412,7 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   }
   const int64_t item_bytes = int64_t(sizeof(KT)) * pb.span * D;
   for (int64_t j = 0; j < std::min<int64_t>(kPrefetchAhead, len); ++j) {
-    prefetch_key(Prefetch<KT>{kp, vp, len, kh0 * D, item_bytes}, j);
+    prefetch_key(Prefetch<KT>{kp, len, kh0 * D, item_bytes}, j);
   }
 
   for (int64_t c0 = lo; c0 <= hi; c0 += kChunk) {
@@ -418,7 +422,7 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     if (uniform) {
       for (int64_t g = 0; g < heads; ++g) std::fill(s + g * kChunk, s + g * kChunk + n, 0.0f);
     } else {
-      const Prefetch<KT> pf{ck, cv, hi - c0 + 1, kh0 * D, item_bytes};
+      const Prefetch<KT> pf{ck, hi - c0 + 1, kh0 * D, item_bytes};
       for (int64_t k = 0; k < pb.span; ++k)
         scores_all<W, KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{});
     }
@@ -450,7 +454,7 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
       }
     }
     for (int64_t k = 0; k < pb.span; ++k)
-      pv_all<W, KT>(s + k * G * kChunk, cv, (kh0 + k) * D, n, G, D, acc + k * G * D);
+      pv_all<W, KT>(s + k * G * kChunk, cv, hi - c0 + 1, (kh0 + k) * D, n, G, D, acc + k * G * D);
   }
   const float* sink = pb.sinks + kh0 * G;
   for (int64_t g = 0; g < heads; ++g) {
