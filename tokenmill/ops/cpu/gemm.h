@@ -39,8 +39,9 @@ typedef float vf __attribute__((vector_size(kVW * sizeof(float))));
 constexpr int kNV = 2;
 constexpr int kNR = kNV * kVW;
 constexpr int kMR = kVW == 16 ? 12 : 6;  // 24 of AVX-512's 32 registers, 12 of AVX2's 16
-// Panels are deep and narrow: up to 768 rows (SmolLM2's K = 576 in one panel) of 64 columns (192
-// KiB: it, the next one streaming in and a kMC-row block of A fit a 512 KiB L2). One panel over all
+// Panels are deep and narrow: up to 768 rows (SmolLM2's K = 576 in one panel) of 64 columns (at most
+// 192 KiB: it, the next one streaming in and a kMC-row block of A, 221 KiB at K = 576, stay in a
+// 1 MiB L2; AVX2's blocks of A are half as tall). One panel over all
 // of K writes each tile of C once instead of reloading it per panel: C's rows lie N floats apart, and
 // at N = 3072 (12 KiB, a multiple of 4 KiB) a tile's 12 rows fall in the same few L1 sets. On Zen 4,
 // one thread, 264 x 576 x 3072: 103 -> 112 GFLOP/s (the micro-kernel alone: 113); 30 layers of
@@ -239,7 +240,7 @@ TM_INLINE int64_t panel_depth(int64_t K) {
 // A's rows in tiles of at most kMR for the micro-kernel: as few tiles as kMR-row ones, of heights that
 // differ by at most one (tile t: rows [t * M / count, (t + 1) * M / count)). 64 rows as 12 x 5 + 4
 // ran the 4-row tile at half the micro-kernel's speed; as 11 x 4 + 10 x 2 every tile runs at full
-// speed (Zen 4, one thread, 64 x 576 x 3072: 106 -> 113 GFLOP/s, as fast as 60 rows).
+// speed (Zen 4, one thread, 64 x 576 x 3072, best of 100: 108 -> 114 GFLOP/s, as 60 rows).
 struct RowTiles {
   int64_t M, count;
   explicit RowTiles(int64_t rows) : M(rows), count((rows + kMR - 1) / kMR) {}
