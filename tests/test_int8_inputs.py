@@ -113,6 +113,20 @@ def test_a_row_does_not_depend_on_its_batch(monkeypatch):
         np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
 
 
+
+def test_padding_rows_are_skipped_and_zeroed(monkeypatch):
+    """`rows`: the rows past it (a step's padding) are not quantized or multiplied, and come out zero."""
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    _, scale, quads = int8_stack(13, 2, 576, 1120, 64)
+    x = jnp.asarray(np.random.default_rng(14).standard_normal((300, 576)), jnp.float32)
+    call = jax.jit(lambda x, rows: linear(x, quads, 1, scale, 64, int16=True, rows=rows))
+    full = np.asarray(call(x, 300))
+    for rows in (0, 1, 5, 13, 299):
+        out = np.asarray(call(x.at[rows:].set(jnp.nan), rows))
+        np.testing.assert_array_equal(out[:rows], full[:rows])
+        assert not out[rows:].any()
+
 def test_zero_and_outlier_windows(monkeypatch):
     """An all-zero window contributes nothing; a window with one large value keeps it (it sets the
     step) while values below half a step beside it round to zero."""

@@ -86,6 +86,27 @@ def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, dot):
         np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
 
 
+
+@pytest.mark.parametrize("dtype,bf16,dot", [(jnp.float32, False, "0"), (jnp.int8, False, "0"), (jnp.int8, True, "1")])
+def test_padding_rows_are_skipped_and_zeroed(monkeypatch, dtype, bf16, dot):
+    """`rows` (a step's real tokens; the rest pad it to its shape bucket): the rows before it are bit
+    for bit what the whole batch gives, those after are zeros, whatever x holds there (NaN here), on
+    every path: GEMV, GEMM with the columns split, with the rows split; strips and row-major."""
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    monkeypatch.setenv("TOKENMILL_CPU_BF16_DOT", dot)
+    w, scale = stack(11, 2, 320, 224, dtype, 64)
+    wsz = 64 if scale is not None else None
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((1100, 320)), jnp.float32)
+    for weights in (w, jax.jit(cpu_linear.to_strips)(w)):
+        call = jax.jit(lambda x, rows: linear(x, weights, 1, scale, wsz, bf16, rows=rows))
+        full = np.asarray(call(x, 1100))
+        for rows in (0, 1, 4, 5, 13, 260, 1099):
+            padded = x.at[rows:].set(jnp.nan)
+            out = np.asarray(call(padded, rows))
+            np.testing.assert_array_equal(out[:rows], full[:rows])
+            assert not out[rows:].any()
+
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 1100])
 @pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)
 @pytest.mark.parametrize("dtype,bf16,dot", [(jnp.float32, False, "0"), (jnp.int8, False, "0"),

@@ -132,10 +132,10 @@ def _replaced(array: jax.Array, convert) -> jax.Array:
     return converted
 
 
-def projections(cfg: ModelConfig, stacked: dict, layer):
+def projections(cfg: ModelConfig, stacked: dict, layer, rows=None):
     """The layer's `project(x, *names)`: x @ each named projection, read from its [L, K, N] stack by
     layer index (ops.linear), with its scales when it is quantized; names stored as one FUSED stack
-    are multiplied in one call and split."""
+    are multiplied in one call and split. x's rows from `rows` on are padding (ops.linear)."""
     widths = {"wq": cfg.num_heads * cfg.head_dim, "wk": cfg.num_kv_heads * cfg.head_dim,
               "wv": cfg.num_kv_heads * cfg.head_dim, "w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size}
 
@@ -143,7 +143,7 @@ def projections(cfg: ModelConfig, stacked: dict, layer):
         weights, scale = stacked[name], stacked.get(name + "_scale")
         wsz = (cfg.quant_window or in_features(weights)) if scale is not None else None
         return linear(x, weights, layer, scale, wsz, bf16=cfg.bf16_inputs, int16=cfg.int16_inputs,
-                      offset=stacked.get(name + "_offset")).astype(x.dtype)
+                      offset=stacked.get(name + "_offset"), rows=rows).astype(x.dtype)
 
     def project(x: jax.Array, *names: str) -> tuple[jax.Array, ...]:
         fused = next((f for f, members in FUSED.items() if members == names and f in stacked), None)
@@ -227,7 +227,7 @@ def forward(
     def layer_fn(carry, xs):
         x, k_cache, v_cache, layer = carry
         w, layer_window = xs
-        project = projections(cfg, stacked, layer)
+        project = projections(cfg, stacked, layer, md.num_tokens)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         attn, k_cache, v_cache = attention_block(
             cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window,

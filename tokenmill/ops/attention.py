@@ -34,6 +34,8 @@ class AttentionMetadata(NamedTuple):
     slot_mapping: jax.Array  # i32[T]; padding tokens hold an out-of-range slot (writes dropped)
     token_request: jax.Array  # i32[T]: row of the token's request in block_tables
     block_tables: jax.Array  # i32[R, max_blocks]
+    # i32[]: the tokens before the padding (None: no padding); the linear kernel skips the rest
+    num_tokens: jax.Array | None = None
 
 
 def write_kv(

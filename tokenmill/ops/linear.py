@@ -141,11 +141,12 @@ def _use_cpu_kernel(x, w, scale) -> bool:
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-           bf16: bool = False, offset: jax.Array | None = None, int16: bool = False) -> jax.Array:
+           bf16: bool = False, offset: jax.Array | None = None, int16: bool = False, rows=None) -> jax.Array:
     """x [M, K], w [L, K, N] or its strips [L, N / 32, K, 32] (scale [L, K / wsz, N] for 8-bit w)
     → [M, N] = x . w[layer] (float32 on the kernel and for 8-bit w, else x's dtype); `bf16`: x rounded
     to bfloat16 first (8-bit w only); `int16`: x quantized to 16-bit integers per window (int8 w, 4-bit
-    strips with offsets, or their quad strips)."""
+    strips with offsets, or their quad strips); `rows` (traced int): x's rows from `rows` on are
+    padding, whose products are unspecified (the CPU kernel skips them and writes zeros)."""
     if bf16 and (scale is None or offset is not None):
         raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
     quads = cpu_linear.is_quads(w)
@@ -159,5 +160,5 @@ def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, ws
         raise ValueError("linear: int16=True multiplies int8 weights [L, K, N], 4-bit strips with offsets, or "
                          "their quad strips, with their scales (no bf16)")
     if (quads or not int16) and _use_cpu_kernel(x, w, scale) and (not quads or wsz <= cpu_linear.MAX_INT_WINDOW):
-        return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset)
+        return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset, rows=rows)
     return linear_ref(x, w, layer, scale, wsz, bf16, offset, int16)

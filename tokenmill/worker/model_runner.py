@@ -276,6 +276,7 @@ class ModelRunner:
             slot_mapping=np.full(num_tokens, oob, np.int32),
             token_request=np.zeros(num_tokens, np.int32),
             block_tables=np.zeros((rows, width), np.int32),
+            num_tokens=np.int32(num_tokens),
         )
         return (np.zeros(num_tokens, np.int32), md, np.zeros(rows, np.int32), self._no_prev_sampled,
                 np.full(num_tokens, -1, np.int32))
@@ -357,6 +358,7 @@ class ModelRunner:
             slot_mapping=np.pad(slots.astype(np.int32), (0, pad), constant_values=oob),
             token_request=np.pad(token_request, (0, pad)),
             block_tables=np.pad(b.block_table[rows, :width], ((0, num_rows - len(req_ids)), (0, 0))),
+            num_tokens=np.int32(total),
         )
         logits_indices = np.pad(np.cumsum(counts) - 1, (0, num_rows - len(req_ids))).astype(np.int32)
         step = self._executable(num_tokens, width)

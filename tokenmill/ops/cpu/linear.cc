@@ -161,9 +161,10 @@ ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_
   return ffi::Error::Success();
 }
 
-ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                      ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                      int64_t wsz, int64_t bf16) {
+// y's first M rows = x's first M rows . w[layer]
+ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, ffi::Buffer<ffi::F32>& scale,
+                      ffi::Buffer<ffi::F32>& offset, ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y,
+                      int64_t M, int64_t wsz, int64_t bf16) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (w.element_type() == ffi::DataType::U8 && wd.size() == 5) {  // quad strips: integer dot products
@@ -173,7 +174,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
           "linear: expected x [M, K] and int8 quads [L, N / 32, K / 4, 32, 4] or 4-bit ones [L, N / 32, K / 8, 32, 4]");
     if (layer.element_count() != 1 || y->element_count() != size_t(xd[0] * wd[1] * kStrip) || bf16 != 0)
       return ffi::Error::InvalidArgument("linear: quad strips take a scalar layer, y [M, N] and no bf16");
-    return LinearIntDot(pool, x.typed_data(), xd[0], xd[1], w, scale, offset, layer.typed_data()[0], y->typed_data(),
+    return LinearIntDot(pool, x.typed_data(), M, xd[1], w, scale, offset, layer.typed_data()[0], y->typed_data(),
                         wsz);
   }
   const bool uint4 = w.element_type() == ffi::DataType::U8;
@@ -183,8 +184,8 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
       !((wd.size() == 3 && !uint4 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == row)))
     return ffi::Error::InvalidArgument(
         "linear: expected x [M, K] and w [L, K, N], its strips [L, N / 32, K, 32] or 4-bit strips [L, N / 32, K, 16]");
-  const int64_t M = xd[0], K = xd[1], L = wd[0], N = strips ? wd[1] * kStrip : wd[2];
-  if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(M * N))
+  const int64_t K = xd[1], L = wd[0], N = strips ? wd[1] * kStrip : wd[2];
+  if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(xd[0] * N))
     return ffi::Error::InvalidArgument("linear: expected a scalar layer and y [M, N]");
   if (!uint4 && offset.element_count() != 0)
     return ffi::Error::InvalidArgument("linear: offsets go with 4-bit weights only");
@@ -322,6 +323,23 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// Only x's first `rows` rows are multiplied; y's other rows are zeros. A step padded to its shape
+// bucket (W3's prompts: 1568 tokens run as 2048) then pays for its padding with a memset only.
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                      ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                      ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz, int64_t bf16) {
+  auto xd = x.dimensions();
+  if (rows.element_count() != 1 || xd.size() != 2)
+    return ffi::Error::InvalidArgument("linear: expected x [M, K] and a scalar row count");
+  const int64_t all_rows = xd[0], M = std::clamp<int64_t>(rows.typed_data()[0], 0, all_rows);
+  ffi::Error error = LinearRows(pool, x, w, scale, offset, layer, y, M, wsz, bf16);
+  if (error.success() && M < all_rows) {
+    const size_t N = y->element_count() / all_rows;
+    std::fill(y->typed_data() + M * N, y->typed_data() + y->element_count(), 0.f);
+  }
+  return error;
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
@@ -333,6 +351,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K / wsz, N] ([0]: none)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // offset [L, K / wsz, N] (4-bit w; [0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows []: x's leading rows to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("wsz")  // rows per scale window (0: float32 weights)
                                   .Attr<int64_t>("bf16"));  // 0: float32 x; 1, 2: x rounded to bfloat16 (2: bf16 dot products)

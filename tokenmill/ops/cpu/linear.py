@@ -139,11 +139,12 @@ def from_uint4_quads(quads: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-           bf16: bool = False, offset: jax.Array | None = None) -> jax.Array:
+           bf16: bool = False, offset: jax.Array | None = None, rows=None) -> jax.Array:
     """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
     f32[L, K / wsz, N], or 4-bit strips (`to_uint4_strips`) with scale and offset
     f32[L, K / wsz, N], or quad strips (`to_int8_quads`, or `to_uint4_quads` with offsets: x quantized to
-    16-bit integers per window) with scale → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only)."""
+    16-bit integers per window) with scale → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only);
+    `rows` (traced int, default M): only x's first `rows` rows are multiplied, y's others are zeros."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
     none = jnp.zeros((0,), jnp.float32)
@@ -151,7 +152,9 @@ def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, ws
     offset = none if offset is None else offset.astype(jnp.float32)
     n = w.shape[1] * STRIP if w.ndim >= 4 else w.shape[2]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    rows = x.shape[0] if rows is None else rows
     return jax.ffi.ffi_call(LINEAR.target, out)(
-        x, w, scale, offset, jnp.asarray(layer, jnp.int32).reshape(()), wsz=np.int64(wsz or 0),
+        x, w, scale, offset, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
+        wsz=np.int64(wsz or 0),
         bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_BF16_DOT else int(bf16)),
     )
