@@ -389,24 +389,26 @@ struct Problem {
   const int32_t* block_tables;
 };
 
-template <typename KT>
-struct Scratch {
-  std::vector<float> q, acc, s, m, l;
-  std::vector<const KT*> kp, vp;  // slot pointers of the visible keys
-  std::vector<const KT*> next_kp, next_vp;  // those of the item this thread runs next
-  explicit Scratch(const Problem& pb)
-      : q(pb.span * pb.G * pb.D), acc(pb.span * pb.G * pb.D), s(pb.span * pb.G * kChunk), m(pb.span * pb.G),
-        l(pb.span * pb.G), kp(kChunk), vp(kChunk), next_kp(kChunk), next_vp(kChunk) {}
-};
-
-// The keys item `item` sees: [lo, hi] (`uniform`: none, so every key, averaged), and the slot of each
-// (all kv heads) in kp / vp, grown to fit.
 struct Visible {
   int64_t lo, hi;
   bool uniform;
   int64_t len() const { return hi - lo + 1; }
 };
 
+template <typename KT>
+struct Scratch {
+  std::vector<float> q, acc, s, m, l;
+  std::vector<const KT*> kp, vp;  // slot pointers of the visible keys
+  std::vector<const KT*> next_kp, next_vp;  // those of the item this thread runs next
+  int64_t next_item = -1;  // that item (its slots are reused when it runs)
+  Visible next_vis{};
+  explicit Scratch(const Problem& pb)
+      : q(pb.span * pb.G * pb.D), acc(pb.span * pb.G * pb.D), s(pb.span * pb.G * kChunk), m(pb.span * pb.G),
+        l(pb.span * pb.G), kp(kChunk), vp(kChunk), next_kp(kChunk), next_vp(kChunk) {}
+};
+
+// The keys item `item` sees: [lo, hi] (`uniform`: none, so every key, averaged), and the slot of each
+// (all kv heads) in kp / vp, grown to fit (visible_slots).
 template <typename KT>
 static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, const KT* vc, std::vector<const KT*>& kp,
                              std::vector<const KT*>& vp) {
@@ -456,7 +458,13 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.end(), 0.0f);
   float* s = sc.s.data();
-  const Visible vis = visible_slots(pb, item, kc, vc, sc.kp, sc.vp);
+  Visible vis;
+  if (sc.next_item == item) {  // fetched ahead as the previous item's next: its slots are known
+    std::swap(sc.kp, sc.next_kp), std::swap(sc.vp, sc.next_vp);
+    vis = sc.next_vis;
+  } else {
+    vis = visible_slots(pb, item, kc, vc, sc.kp, sc.vp);
+  }
   const int64_t lo = vis.lo, hi = vis.hi, len = vis.len();
   const bool uniform = vis.uniform;
   const KT** kp = sc.kp.data();
@@ -465,8 +473,9 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   int64_t next_len = 0;
   if (following >= 0) {
     next.bytes = int64_t(sizeof(KT)) * pb.span * D;
-    next_len = std::min<int64_t>(visible_slots(pb, following, kc, vc, sc.next_kp, sc.next_vp).len(),
-                                 kNextItemBytes / (2 * next.bytes));
+    sc.next_item = following;
+    sc.next_vis = visible_slots(pb, following, kc, vc, sc.next_kp, sc.next_vp);
+    next_len = std::min<int64_t>(sc.next_vis.len(), kNextItemBytes / (2 * next.bytes));
     next.kp = sc.next_kp.data(), next.vp = sc.next_vp.data();
     next.off = (following % (pb.KVH / pb.span)) * pb.span * D;
   }
