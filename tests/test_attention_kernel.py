@@ -154,6 +154,42 @@ def test_kernel_long_context_and_block_sizes(block_size, group):
         np.testing.assert_allclose(out, ref, **TOL)
 
 
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (8, 128), (1, 40), (2, 20)])
+@pytest.mark.parametrize("window", [None, 60, 7])
+def test_prefill_tiles_match_reference(group, head_dim, window):
+    """A prefill's consecutive tokens, in tiles of up to 16 (rows padded for P . V): prompts spanning
+    several chunks of keys per tile, with and without a cached prefix, tiles cut short by the next request
+    or by a token alone, beside decode tokens and padding; windows (the tokens they cut take the one-token
+    path), per-head sinks, head sizes that are not a multiple of the vectors."""
+    require_kernel()
+    rng = np.random.default_rng(group * 100 + head_dim + (window or 0))
+    plan = [(0, 150), (70, 41), (5, 2), (200, 1), (0, 17), (33, 1)]
+    q, kc, vc, md = make_batch(rng, plan, kv_heads=2, group=group, head_dim=head_dim, block_size=16, pad=3)
+    out, ref = both(q, kc, vc, 1, md, head_dim**-0.5, window)
+    np.testing.assert_allclose(out, ref, **TOL)
+    sinks = jnp.asarray(rng.standard_normal(2 * group) * 3, jnp.float32)
+    out, ref = both(q, kc, vc, 1, md, head_dim**-0.5, window, sinks)
+    np.testing.assert_allclose(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("group,head_dim,window",
+                         [(3, 64, None), (8, 128, None), (1, 40, None), (2, 20, None), (3, 64, 50)])
+def test_a_token_gets_the_same_bits_in_a_tile_or_alone(group, head_dim, window):
+    """A prefill's tokens, scored in tiles, each get bit for bit what the token gets alone (the one-token
+    path, as when a prompt's last token is all of its chunk or a request decodes alone): scheduling and
+    batching never change a result. With a window, tokens it cuts stay on the one-token path."""
+    require_kernel()
+    rng = np.random.default_rng(group + head_dim)
+    q, kc, vc, md = make_batch(rng, [(0, 150), (37, 20), (3, 1)], kv_heads=2, group=group, head_dim=head_dim,
+                               block_size=16, pad=0)
+    run = jax.jit(lambda q, md: cpu.paged_attention(q, kc, vc, jnp.int32(1), md, scale=0.1, sliding_window=window))
+    together = np.asarray(run(q, md))
+    for t in (0, 1, 15, 16, 63, 64, 70, 149, 150, 160, 169, 170):
+        alone = AttentionMetadata(md.positions[t:t + 1], md.slot_mapping[t:t + 1], md.token_request[t:t + 1],
+                                  md.block_tables)
+        np.testing.assert_array_equal(np.asarray(run(q[t:t + 1], alone))[0], together[t], err_msg=f"token {t}")
+
+
 def test_traced_window_per_layer_like_gemma3():
     """The window is a traced scalar (Gemma 3 scans over a per-layer window array)."""
     require_kernel()

@@ -7,7 +7,9 @@
 // table: nothing is gathered. Online softmax over chunks of the context, fp32 accumulation;
 // per-head sink logits (gpt-oss) join each denominator at the end.
 // Query heads are grouped per KV head (GQA): one work item is a token and one or all of its kv
-// heads, and the items are spread over XLA's intra-op thread pool (parallel.h).
+// heads, or a tile of a prefill's consecutive tokens (attend_tile: each K and V row read once for all
+// of them, each token's result bit for bit what it gets alone), and the items are spread over XLA's
+// intra-op thread pool (parallel.h).
 //
 // Index semantics follow jnp indexing (what the reference does): a negative layer / request /
 // block id wraps once, then it is clamped into range, so no input can read out of bounds. A token
@@ -61,6 +63,8 @@ TM_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
 // The vectors the scores and P . V run on: W floats (8, or 16 where the build has AVX-512 and the
 // head size is a multiple of 16: half the multiply-adds and loads of 8-wide ones). `fold` adds the
 // halves of a 16-wide vector into 8 lanes, so that every width ends in the same 8-lane reduction.
+// `splat` broadcasts a float (V{} + x would add 0 first: a scalar add the compiler may not drop, as it
+// turns x = -0 into +0).
 template <int W>
 struct Vec;
 
@@ -71,6 +75,7 @@ struct Vec<8> {
   TM_INLINE v8f load(const float* p) { return load8(p); }
   TM_INLINE v8f load(const uint16_t* p) { return load8(p); }
   TM_INLINE v8f fold(v8f x) { return x; }
+  TM_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 };
 
 #if defined(__AVX512F__)
@@ -98,6 +103,7 @@ struct Vec<16> {
     return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
   }
+  TM_INLINE v16f splat(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 };
 constexpr int kWide = 16;
 #else
@@ -314,7 +320,7 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid,
       V x[NV];
       for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
       for (int g = 0; g < GN; ++g) {
-        const V w = V{} + p[g * kChunk + j];
+        const V w = Vec<W>::splat(p[g * kChunk + j]);
         for (int v = 0; v < NV; ++v) a[v][g] += w * x[v];
       }
     }
@@ -395,6 +401,12 @@ struct Visible {
   int64_t len() const { return hi - lo + 1; }
 };
 
+// The keys token t sees, [lo, hi] (empty when lo > hi: the one-token path averages all of V then)
+TM_INLINE Visible token_keys(const Problem& pb, int64_t t) {
+  const int64_t pos = pb.positions[t];
+  return {std::max<int64_t>(0, pos - pb.window + 1), std::min<int64_t>(pos, pb.M * pb.B - 1), false};
+}
+
 template <typename KT>
 struct Scratch {
   std::vector<float> q, acc, s, m, l;
@@ -407,17 +419,11 @@ struct Scratch {
         l(pb.span * pb.G), kp(kChunk), vp(kChunk), next_kp(kChunk), next_vp(kChunk) {}
 };
 
-// The keys item `item` sees: [lo, hi] (`uniform`: none, so every key, averaged), and the slot of each
-// (all kv heads) in kp / vp, grown to fit (visible_slots).
+// The slots (all kv heads) of request `request`'s keys [vis.lo, vis.hi] in kp / vp, grown to fit.
 template <typename KT>
-static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, const KT* vc, std::vector<const KT*>& kp,
-                             std::vector<const KT*>& vp) {
-  const int64_t t = item / (pb.KVH / pb.span), ctx = pb.M * pb.B;
-  const int64_t pos = pb.positions[t];
-  Visible vis{std::max<int64_t>(0, pos - pb.window + 1), std::min<int64_t>(pos, ctx - 1), false};
-  vis.uniform = vis.lo > vis.hi;  // nothing visible: the reference's all-masked softmax is a plain mean
-  if (vis.uniform) vis.lo = 0, vis.hi = ctx - 1;
-  const int32_t* table = pb.block_tables + wrap_clamp(pb.token_request[t], pb.R) * pb.M;
+static void slots_of(const Problem& pb, int64_t request, const Visible& vis, const KT* kc, const KT* vc,
+                     std::vector<const KT*>& kp, std::vector<const KT*>& vp) {
+  const int32_t* table = pb.block_tables + wrap_clamp(request, pb.R) * pb.M;
   const int64_t row_stride = pb.KVH * pb.D;  // between consecutive slots of a block
   const int64_t layer_base = pb.layer * pb.N * pb.B * row_stride;
   if (int64_t(kp.size()) < vis.len()) kp.resize(vis.len()), vp.resize(vis.len());
@@ -429,7 +435,46 @@ static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, cons
       vp[p - vis.lo] = vc + (first + p * row_stride);
     }
   }
+}
+
+// The keys item `item` sees: [lo, hi] (`uniform`: none, so every key, averaged), and the slot of each
+// (all kv heads) in kp / vp.
+template <typename KT>
+static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, const KT* vc, std::vector<const KT*>& kp,
+                             std::vector<const KT*>& vp) {
+  const int64_t t = item / (pb.KVH / pb.span);
+  Visible vis = token_keys(pb, t);
+  vis.uniform = vis.lo > vis.hi;  // nothing visible: the reference's all-masked softmax is a plain mean
+  if (vis.uniform) vis.lo = 0, vis.hi = pb.M * pb.B - 1;
+  slots_of(pb, pb.token_request[t], vis, kc, vc, kp, vp);
   return vis;
+}
+
+// One chunk's step of the online softmax for one row of scores s[0 : padded) (padded a multiple of W,
+// masked scores -inf, at least one not): s becomes exp(s - m'), for m' the new running max, and the
+// running sum l and the accumulated P . V acc[0 : D) are rescaled to m'.
+template <int W>
+TM_INLINE void softmax_step(float* s, int padded, float& m, float& l, float* acc, int64_t D) {
+  using V = typename Vec<W>::type;
+  V vmax = Vec<W>::load(s);
+  for (int j = W; j < padded; j += W) {
+    const V x = Vec<W>::load(s + j);
+    vmax = x > vmax ? x : vmax;
+  }
+  float cmax = vmax[0];
+  for (int j = 1; j < W; ++j) cmax = std::max(cmax, vmax[j]);
+  const float mnew = std::max(m, cmax);
+  const float alpha = std::exp(m - mnew);  // 0 on the first chunk (m = -inf)
+  V vsum{};
+  for (int j = 0; j < padded; j += W) {
+    const V e = expv<W>(Vec<W>::load(s + j) - mnew);
+    std::memcpy(s + j, &e, sizeof(e));
+    vsum += e;
+  }
+  l = l * alpha + hsum(Vec<W>::fold(vsum));
+  m = mnew;
+  if (alpha != 1.0f)
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
 }
 
 // One work item: token t and kv heads [kh0, kh0 + span) → out[t, kh0*G : (kh0+span)*G, :].
@@ -498,32 +543,10 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
         scores_all<W, KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{},
                           k == 0 ? share : NextItem<KT>{});
     }
-    using V = typename Vec<W>::type;
     const int padded = (n + W - 1) / W * W;  // kChunk is a multiple of W: within the head's scores
     for (int64_t g = 0; g < heads; ++g) {
-      float* sg = s + g * kChunk;
-      std::fill(sg + n, sg + padded, -std::numeric_limits<float>::infinity());
-      V vmax = Vec<W>::load(sg);
-      for (int j = W; j < padded; j += W) {
-        const V x = Vec<W>::load(sg + j);
-        vmax = x > vmax ? x : vmax;
-      }
-      float cmax = vmax[0];
-      for (int j = 1; j < W; ++j) cmax = std::max(cmax, vmax[j]);
-      const float mnew = std::max(m[g], cmax);
-      const float alpha = std::exp(m[g] - mnew);  // 0 on the first chunk (m = -inf)
-      V vsum{};
-      for (int j = 0; j < padded; j += W) {
-        const V e = expv<W>(Vec<W>::load(sg + j) - mnew);
-        std::memcpy(sg + j, &e, sizeof(e));
-        vsum += e;
-      }
-      l[g] = l[g] * alpha + hsum(Vec<W>::fold(vsum));
-      m[g] = mnew;
-      if (alpha != 1.0f) {
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
-      }
+      std::fill(s + g * kChunk + n, s + g * kChunk + padded, -std::numeric_limits<float>::infinity());
+      softmax_step<W>(s + g * kChunk, padded, m[g], l[g], acc + g * D, D);
     }
     for (int64_t k = 0; k < pb.span; ++k)
       pv_all<W, KT>(s + k * G * kChunk, cv, hi - c0 + 1, (kh0 + k) * D, n, G, D, acc + k * G * D);
@@ -536,8 +559,186 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   }
 }
 
+// Prefill tiles. The consecutive tokens of a prompt see nearly the same keys: up to kTileTokens of them
+// (one request, consecutive positions, each seeing its keys from position 0 on) are one work item, which
+// meets each chunk of keys with all its tokens while the chunk is in L1: each K row is read from memory
+// once per tile instead of once per token, and P . V runs kTilePvRows query heads at a time on each V
+// row instead of one token's. A token's arithmetic is the one-token path's, in the same order (scores
+// by scores_all, the online softmax by softmax_step, chunks from position 0; the keys a shorter row does
+// not see add exact zeros to P . V), so its result is bit for bit the same in a tile or alone: greedy
+// output does not depend on how a prompt is chunked or batched. (Tokens whose window starts past 0 take
+// the one-token path, whose chunks start at the window.)
+constexpr int kTileTokens = 16;
+#if defined(__AVX512F__)
+constexpr int kTilePvRows = 6;  // P . V: 6 rows x 4 vectors of V in AVX-512's 32 registers
+#else
+constexpr int kTilePvRows = 2;  // of AVX2's 16
+#endif
+
+struct Tile {
+  int64_t t0, n;  // tokens [t0, t0 + n)
+};
+
+// Whether token t can join a tile: it sees keys, from position 0 on
+TM_INLINE bool tiles_with(const Problem& pb, int64_t t) {
+  const Visible keys = token_keys(pb, t);
+  return keys.lo == 0 && keys.len() > 0;
+}
+
+// The batch's tokens as tiles: runs of up to kTileTokens tokens of one request at consecutive positions
+// that can join a tile; any other token is a tile of its own (n = 1: the one-token path)
+static std::vector<Tile> tiles_of(const Problem& pb) {
+  std::vector<Tile> tiles;
+  auto joins = [&](int64_t t, int64_t n) {  // whether token t + n extends the tile [t, t + n)
+    return pb.token_request[t + n] == pb.token_request[t] &&
+           int64_t(pb.positions[t + n]) == int64_t(pb.positions[t]) + n && tiles_with(pb, t + n);
+  };
+  for (int64_t t = 0; t < pb.T;) {
+    int64_t n = 1;
+    if (tiles_with(pb, t))
+      while (n < kTileTokens && t + n < pb.T && joins(t, n)) ++n;
+    tiles.push_back({t, n});
+    t += n;
+  }
+  return tiles;
+}
+
+template <typename KT>
+struct TileScratch {
+  // one row per query head of the tile (rows padded to whole kTilePvRows): token i, head g at i * G + g
+  std::vector<float> q, s, acc, m, l;  // q [rows][D] scaled, s [rows][kChunk], acc [rows][D]
+  std::vector<const KT*> kp, vp;  // slot pointers of the tile's keys
+  explicit TileScratch(const Problem& pb) {
+    const int64_t rows = (kTileTokens * pb.G + kTilePvRows - 1) / kTilePvRows * kTilePvRows;
+    q.resize(rows * pb.D), s.resize(rows * kChunk), acc.resize(rows * pb.D), m.resize(rows), l.resize(rows);
+  }
+};
+
+// acc[r][d : d + NV W) += sum_{j < n} p[r][j] v_j[d : d + NV W) for R rows (p [.][kChunk], v_j = vp[j] +
+// off), from d0 on while NV vectors fit in D; returns where it stopped. Each element sums its keys in
+// order, with the operations of pv_vectors.
+template <int W, int R, int NV, typename KT>
+TM_INLINE int64_t tile_pv(const float* p, const KT* const* vp, int64_t off, int n, int64_t d0, int64_t D,
+                          float* acc) {
+  using V = typename Vec<W>::type;
+  int64_t d = d0;
+  for (; d + NV * W <= D; d += NV * W) {
+    V a[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) a[r][v] = Vec<W>::load(acc + r * D + d + v * W);
+    for (int j = 0; j < n; ++j) {
+      V x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
+      for (int r = 0; r < R; ++r) {
+        const V w = Vec<W>::splat(p[r * kChunk + j]);
+        for (int v = 0; v < NV; ++v) a[r][v] += w * x[v];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) std::memcpy(acc + r * D + d + v * W, &a[r][v], sizeof(V));
+  }
+  return d;
+}
+
+// One tile (all kv heads) → out[t0 : t0 + n]
+template <int W, typename QT, typename KT>
+static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out, const Tile& tile,
+                        TileScratch<KT>& sc) {
+  const int64_t G = pb.G, D = pb.D, rows = tile.n * G;
+  const int64_t pv_rows = (rows + kTilePvRows - 1) / kTilePvRows * kTilePvRows;
+  const int64_t hi = token_keys(pb, tile.t0 + tile.n - 1).hi;  // the last token's last key (the first's: 0)
+  slots_of(pb, pb.token_request[tile.t0], Visible{0, hi, false}, kc, vc, sc.kp, sc.vp);
+  float *qf = sc.q.data(), *s = sc.s.data(), *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
+  std::fill(s + rows * kChunk, s + pv_rows * kChunk, 0.0f);  // padding rows: no keys
+  const Prefetch<KT> no_prefetch;
+  const NextItem<KT> no_next;
+  for (int64_t kh = 0; kh < pb.KVH; ++kh) {
+    for (int64_t i = 0; i < tile.n; ++i) {
+      const QT* qi = q + ((tile.t0 + i) * pb.H + kh * G) * D;  // the token's G heads of this kv head
+      for (int64_t e = 0; e < G * D; ++e) qf[i * G * D + e] = to_f32(qi[e]) * pb.scale;
+    }
+    std::fill(acc, acc + pv_rows * D, 0.0f);
+    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.0f);
+    for (int64_t c0 = 0; c0 <= hi; c0 += kChunk) {
+      const int n = int(std::min<int64_t>(kChunk, hi - c0 + 1));  // the last token's keys in this chunk
+      const KT* const* ck = sc.kp.data() + c0;
+      const KT* const* cv = sc.vp.data() + c0;
+      for (int64_t i = 0; i < tile.n; ++i) {
+        float* si = s + i * G * kChunk;
+        const int64_t own = token_keys(pb, tile.t0 + i).hi - c0 + 1;  // this token's keys in the chunk
+        if (own <= 0) {  // none: the token's chunks ended before this one
+          std::fill(si, si + G * kChunk, 0.0f);
+          continue;
+        }
+        const int ni = int(std::min<int64_t>(kChunk, own));
+        scores_all<W, KT>(qf + i * G * D, ck, kh * D, ni, G, D, si, no_prefetch, no_next);
+        const int padded = (ni + W - 1) / W * W;
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = si + g * kChunk;
+          std::fill(sg + ni, sg + padded, -std::numeric_limits<float>::infinity());
+          softmax_step<W>(sg, padded, m[i * G + g], l[i * G + g], acc + (i * G + g) * D, D);
+          std::fill(sg + padded, sg + std::max(padded, n), 0.0f);  // keys past the token's: p = 0
+        }
+      }
+      for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows) {
+        const float* pr = s + r0 * kChunk;
+        float* ar = acc + r0 * D;
+        int64_t d = tile_pv<W, kTilePvRows, 4>(pr, cv, kh * D, n, 0, D, ar);
+        d = tile_pv<W, kTilePvRows, 1>(pr, cv, kh * D, n, d, D, ar);
+        for (; d < D; ++d)  // head sizes that are not a multiple of W: as pv_group's tail
+          for (int64_t r = r0; r < r0 + kTilePvRows; ++r) {
+            float a = acc[r * D + d];
+            for (int j = 0; j < n; ++j) a += s[r * kChunk + j] * to_f32(cv[j][kh * D + d]);
+            acc[r * D + d] = a;
+          }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head = kh * G + r % G;
+      const float inv = 1.0f / (l[r] + std::exp(pb.sinks[head] - m[r]));
+      QT* o = out + ((tile.t0 + r / G) * pb.H + head) * D;
+      for (int64_t d = 0; d < D; ++d) store_f32(acc[r * D + d] * inv, o + d);
+    }
+  }
+}
+
+template <typename KT>
+struct TileState {
+  Scratch<KT> one;  // for tiles of one token
+  TileScratch<KT> tile;
+  explicit TileState(const Problem& pb) : one(pb), tile(pb) {}
+};
+
+// A batch cut into tiles (pb.span = KVH: one item per token on the one-token path)
+template <int W, typename QT, typename KT>
+static void run_tiles(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Tile>& tiles, const QT* q,
+                      const KT* kc, const KT* vc, QT* out) {
+  parallel_for<TileState<KT>>(
+      pool, int64_t(tiles.size()), [&pb] { return std::make_unique<TileState<KT>>(pb); },
+      [&](int64_t i, int64_t following, TileState<KT>& state) {
+        const Tile& tile = tiles[i];
+        if (tile.n > 1) {
+          if (following >= 0) {  // the next tile's queries, into L2 (else the first kv head waits on them)
+            const Tile& next = tiles[following];
+            const char* first = reinterpret_cast<const char*>(q + next.t0 * pb.H * pb.D);
+            const int64_t bytes = next.n * pb.H * pb.D * int64_t(sizeof(QT));
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + b, 0, 2);
+          }
+          attend_tile<W, QT, KT>(pb, q, kc, vc, out, tile, state.tile);
+        } else {  // the next item's keys are fetched ahead where it is one token too
+          const int64_t next = following >= 0 && tiles[following].n == 1 ? tiles[following].t0 : -1;
+          attend<W, QT, KT>(pb, q, kc, vc, out, tile.t0, next, state.one);
+        }
+      });
+}
+
 template <int W, typename QT, typename KT>
 static void run_width(ffi::ThreadPool& pool, const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
+  if (pb.span == pb.KVH) {  // prefills: their tokens in tiles
+    const std::vector<Tile> tiles = tiles_of(pb);
+    if (int64_t(tiles.size()) < pb.T) return run_tiles<W>(pool, pb, tiles, q, kc, vc, out);
+  }
   const int64_t items = pb.T * (pb.KVH / pb.span);
   parallel_for<Scratch<KT>>(
       pool, items, [&pb] { return std::make_unique<Scratch<KT>>(pb); },
