@@ -17,7 +17,7 @@ import pytest
 
 from tokenmill.ops.cpu import build
 from tokenmill.ops.cpu import linear as cpu_linear
-from tokenmill.ops.linear import kernel_layout, linear, linear_ref
+from tokenmill.ops.linear import gate, kernel_layout, linear, linear_ref
 from tokenmill.ops.quantization import quantize_windows
 
 F32_REL = 1e-5
@@ -106,6 +106,38 @@ def test_padding_rows_are_skipped_and_zeroed(monkeypatch, dtype, bf16, dot):
             out = np.asarray(call(padded, rows))
             np.testing.assert_array_equal(out[:rows], full[:rows])
             assert not out[rows:].any()
+
+
+@pytest.mark.parametrize("M", [1, 5, 64, 1100])
+@pytest.mark.parametrize("N", [384, 96])  # halves of whole strips (activated in cache for a prefill), of half ones
+@pytest.mark.parametrize("dtype,bf16,layout", [(jnp.float32, False, "strips"), (jnp.float32, False, "rows"),
+                                               (jnp.int8, False, "strips"), (jnp.int8, True, "strips"),
+                                               (jnp.int8, False, "quads")])
+def test_gated_product_is_silu_of_gate_times_up(monkeypatch, M, N, dtype, bf16, layout):
+    """`gated="silu"` (a gated MLP's fused gate/up projection [K, 2I]): y [M, I] = silu(x . gate) * (x . up),
+    on every path: activated in cache where the float32 GEMM splits a prefill's rows, after the whole
+    product elsewhere (decoding, 8-bit inputs, halves of part strips); the rows after `rows` zeros."""
+    require_kernel()
+    monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
+    K = 320
+    w, scale = stack(21, 2, K, N, dtype, 64)
+    wsz = 64 if scale is not None else None
+    stored = {"strips": cpu_linear.to_strips, "rows": lambda w: w, "quads": cpu_linear.to_int8_quads}[layout](w)
+    int16 = layout == "quads"
+    x = jnp.asarray(np.random.default_rng(22).standard_normal((M, K)), jnp.float32)
+    gated = jax.jit(lambda x, rows: linear(x, stored, 1, scale, wsz, bf16, int16=int16, rows=rows, gated="silu"))
+    product = np.asarray(jax.jit(lambda x: linear(x, stored, 1, scale, wsz, bf16, int16=int16))(x))
+    out = np.asarray(gated(x, M))
+    assert out.shape == (M, N // 2)
+    want = np.asarray(jax.nn.silu(product[:, : N // 2]) * product[:, N // 2:])
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-6)
+    ref = np.asarray(gate(linear_ref(x, w, 1, scale, wsz, bf16, int16=int16), "silu"))
+    np.testing.assert_allclose(out, ref, rtol=1e-4 if dtype == jnp.float32 else 2e-2, atol=1e-4)
+    rows = M * 2 // 3
+    padded = np.asarray(gated(x.at[rows:].set(jnp.nan), rows))
+    np.testing.assert_array_equal(padded[:rows], out[:rows])
+    assert not padded[rows:].any()
+
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 1100])
 @pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)

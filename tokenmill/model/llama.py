@@ -133,20 +133,26 @@ def _replaced(array: jax.Array, convert) -> jax.Array:
 
 
 def projections(cfg: ModelConfig, stacked: dict, layer, rows=None):
-    """The layer's `project(x, *names)`: x @ each named projection, read from its [L, K, N] stack by
-    layer index (ops.linear), with its scales when it is quantized; names stored as one FUSED stack
-    are multiplied in one call and split. x's rows from `rows` on are padding (ops.linear)."""
+    """The layer's `project(x, *names, gated=None)`: x @ each named projection, read from its [L, K, N]
+    stack by layer index (ops.linear), with its scales when it is quantized; names stored as one FUSED
+    stack are multiplied in one call and split; `gated` (an activation): a gated MLP's (gate, up) as
+    (act(x @ gate) * (x @ up),). x's rows from `rows` on are padding (ops.linear)."""
     widths = {"wq": cfg.num_heads * cfg.head_dim, "wk": cfg.num_kv_heads * cfg.head_dim,
               "wv": cfg.num_kv_heads * cfg.head_dim, "w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size}
 
-    def multiply(name: str, x: jax.Array) -> jax.Array:
+    def multiply(name: str, x: jax.Array, gated: str | None = None) -> jax.Array:
         weights, scale = stacked[name], stacked.get(name + "_scale")
         wsz = (cfg.quant_window or in_features(weights)) if scale is not None else None
         return linear(x, weights, layer, scale, wsz, bf16=cfg.bf16_inputs, int16=cfg.int16_inputs,
-                      offset=stacked.get(name + "_offset"), rows=rows).astype(x.dtype)
+                      offset=stacked.get(name + "_offset"), rows=rows, gated=gated).astype(x.dtype)
 
-    def project(x: jax.Array, *names: str) -> tuple[jax.Array, ...]:
+    def project(x: jax.Array, *names: str, gated: str | None = None) -> tuple[jax.Array, ...]:
         fused = next((f for f, members in FUSED.items() if members == names and f in stacked), None)
+        if gated is not None:  # (gate, up) → (act(gate) * up,), fused: in the kernel where it can
+            if fused is not None:
+                return (multiply(fused, x, gated),)
+            gate, up = (multiply(name, x) for name in names)
+            return (get_activation(gated)(gate) * up,)
         if fused is None:
             return tuple(multiply(name, x) for name in names)
         ends = np.cumsum([widths[name] for name in names])
@@ -182,8 +188,8 @@ def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, i
 def feed_forward(cfg: ModelConfig, w: dict, x: jax.Array, project) -> jax.Array:
     """The dense gated MLP, or the mixture of experts: route each token to its top-k experts."""
     if not cfg.is_moe:
-        gate, up = project(x, "w_gate", "w_up")
-        return project(get_activation(cfg.hidden_act)(gate) * up, "w_down")[0]
+        (hidden,) = project(x, "w_gate", "w_up", gated=cfg.hidden_act)
+        return project(hidden, "w_down")[0]
     gating = jnp.dot(x, w["router"], preferred_element_type=jnp.float32)
     if cfg.moe_bias:
         gating = gating + w["router_bias"]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from tokenmill import envs
 from tokenmill.distributed.mesh import is_unsharded
+from tokenmill.ops.activations import get_activation
 from tokenmill.ops.cpu import linear as cpu_linear
 from tokenmill.ops.quantization import dequantize
 
@@ -140,13 +141,22 @@ def _use_cpu_kernel(x, w, scale) -> bool:
     return jax.default_backend() == "cpu" and usable and unsharded and cpu_linear.available()
 
 
+def gate(y: jax.Array, act: str) -> jax.Array:
+    """A gated MLP's hidden state from its fused gate/up product y [M, 2I]: act(y[:, :I]) * y[:, I:]."""
+    half = y.shape[1] // 2
+    return get_activation(act)(y[:, :half]) * y[:, half:]
+
+
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-           bf16: bool = False, offset: jax.Array | None = None, int16: bool = False, rows=None) -> jax.Array:
+           bf16: bool = False, offset: jax.Array | None = None, int16: bool = False, rows=None,
+           gated: str | None = None) -> jax.Array:
     """x [M, K], w [L, K, N] or its strips [L, N / 32, K, 32] (scale [L, K / wsz, N] for 8-bit w)
     → [M, N] = x . w[layer] (float32 on the kernel and for 8-bit w, else x's dtype); `bf16`: x rounded
     to bfloat16 first (8-bit w only); `int16`: x quantized to 16-bit integers per window (int8 w, 4-bit
     strips with offsets, or their quad strips); `rows` (traced int): x's rows from `rows` on are
-    padding, whose products are unspecified (the CPU kernel skips them and writes zeros)."""
+    padding, whose products are unspecified (the CPU kernel skips them and writes zeros); `gated` (an
+    activation; w a fused gate/up projection [L, K, 2I]): → [M, I] = `gate(x . w[layer], gated)`, which the
+    CPU kernel applies in cache for SiLU."""
     if bf16 and (scale is None or offset is not None):
         raise ValueError("linear: bf16=True multiplies 8-bit weights (with their scales) only")
     quads = cpu_linear.is_quads(w)
@@ -160,5 +170,8 @@ def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, ws
         raise ValueError("linear: int16=True multiplies int8 weights [L, K, N], 4-bit strips with offsets, or "
                          "their quad strips, with their scales (no bf16)")
     if (quads or not int16) and _use_cpu_kernel(x, w, scale) and (not quads or wsz <= cpu_linear.MAX_INT_WINDOW):
-        return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset, rows=rows)
-    return linear_ref(x, w, layer, scale, wsz, bf16, offset, int16)
+        if gated is None or gated in cpu_linear.GATED:
+            return cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset, rows=rows, gated=gated)
+        return gate(cpu_linear.linear(x, w, layer, scale, wsz, bf16=bf16, offset=offset, rows=rows), gated)
+    y = linear_ref(x, w, layer, scale, wsz, bf16, offset, int16)
+    return y if gated is None else gate(y, gated)

@@ -127,6 +127,9 @@ struct Weights {
     if (w.offset != nullptr) w.offset += scales;
     return w;
   }
+
+  // the columns from n0 on (in strips, n0 a whole strip), as a matrix of their own
+  Weights columns_from(int64_t n0) const { return at(strip_stride == 0 ? n0 : n0 / kStrip * strip_stride, n0); }
 };
 
 // The cache lines of the next panel of B, fetched into L2 a few at a time while the current panel

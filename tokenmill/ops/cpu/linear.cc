@@ -25,6 +25,11 @@
 // are cut into chunks instead, each packed and multiplied by all of B. The layer index
 // follows jnp indexing: negative wraps once, then it is clamped into range.
 //
+// `gated` (a gated MLP's fused gate/up projection, [K, 2I]): y [M, I] = silu(x . gate) * (x . up). Where
+// the float32 GEMM splits a prefill's rows, it activates each kNC gate columns and their up columns
+// while they are in L2 (silu.h), so that the [M, 2I] product never goes to memory; elsewhere the whole
+// product goes to a buffer first (GatedByParts).
+//
 // `bf16` (--quantization w8a16): x is rounded to bfloat16 (ties to even) and multiplies the 8-bit
 // weights. 1: on the float32 path; 2: with the CPU's bfloat16 dot products (bf16_pack.h: the codes
 // are exact bfloat16, each window's sum is scaled in float32), on AMX tiles (amx_bf16.h) where this
@@ -44,6 +49,7 @@
 #include "amx_bf16.h"
 #include "avx512_bf16.h"
 #include "int8_dot.h"
+#include "silu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -161,32 +167,69 @@ ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_
   return ffi::Error::Success();
 }
 
-// y's first M rows = x's first M rows . w[layer]
+// What the kernel applies to a fused gate/up product [M, 2I] (attribute `gated`): y [M, I] = act(gate) * up
+enum Gated : int64_t { kNotGated = 0, kSiluGated = 1 };
+
+// out[rows of tiles t_begin..t_end, :] = silu(A . B[:, :H]) * (A . B[:, H:]) for H = N / 2 (A packed by
+// pack_a): kNC gate columns and their up columns at a time, into a buffer that stays in L2 for the
+// activation, so that the [M, N] product never goes out to memory and back
+static void silu_gated_gemm(int64_t M, int64_t N, int64_t K, const float* pa, const Weights& B, float* out,
+                            int64_t t_begin, int64_t t_end) {
+  const int64_t H = N / 2, ld = 2 * kNC;
+  thread_local std::vector<float> product;  // [M, ld], this call's rows only (kept across calls)
+  product.resize(M * ld);
+  const RowTiles tiles(M);
+  const int64_t r0 = tiles.start(t_begin), r1 = tiles.start(t_end);
+  for (int64_t n0 = 0; n0 < H; n0 += kNC) {
+    const int64_t nc = std::min(kNC, H - n0);
+    const Weights gate = B.columns_from(n0), up = B.columns_from(H + n0);
+    const Weights next_gate = n0 + kNC < H ? B.columns_from(n0 + kNC) : gate;
+    const NextBlock after_gate{&up, 0, nc, K};
+    const NextBlock after_up = n0 + kNC < H ? NextBlock{&next_gate, 0, std::min(kNC, H - n0 - kNC), K} : NextBlock{};
+    gemm_packed(M, ld, K, pa, gate, product.data(), thread_panel(), 0, nc, after_gate, t_begin, t_end);
+    gemm_packed(M, ld, K, pa, up, product.data() + kNC, thread_panel(), 0, nc, after_up, t_begin, t_end);
+    silu_gate(product.data() + r0 * ld, ld, kNC, r1 - r0, nc, out + r0 * H + n0, H);
+  }
+}
+
+ffi::Error GatedByParts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w,
+                        ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& offset, ffi::Buffer<ffi::S32>& layer,
+                        float* out, int64_t M, int64_t N, int64_t wsz, int64_t bf16);
+
+// out's first M rows = x's first M rows . w[layer] (out [x's rows, N], `out_count` floats), or with
+// `gated`, act(its first N / 2 columns) * its other N / 2 (out [x's rows, N / 2])
 ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, ffi::Buffer<ffi::F32>& scale,
-                      ffi::Buffer<ffi::F32>& offset, ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y,
-                      int64_t M, int64_t wsz, int64_t bf16) {
+                      ffi::Buffer<ffi::F32>& offset, ffi::Buffer<ffi::S32>& layer, float* out, size_t out_count,
+                      int64_t M, int64_t wsz, int64_t bf16, int64_t gated) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (w.element_type() == ffi::DataType::U8 && wd.size() == 5) {  // quad strips: integer dot products
+  const bool quads = w.element_type() == ffi::DataType::U8 && wd.size() == 5;  // integer dot products
+  const bool uint4 = !quads && w.element_type() == ffi::DataType::U8;
+  const bool strips = wd.size() == 4;
+  if (quads) {
     const int64_t row_k = offset.element_count() != 0 ? 2 * kQuad : kQuad;
     if (xd.size() != 2 || wd[2] * row_k != xd[1] || wd[3] != kStrip || wd[4] != kQuad || wd[0] <= 0)
       return ffi::Error::InvalidArgument(
           "linear: expected x [M, K] and int8 quads [L, N / 32, K / 4, 32, 4] or 4-bit ones [L, N / 32, K / 8, 32, 4]");
-    if (layer.element_count() != 1 || y->element_count() != size_t(xd[0] * wd[1] * kStrip) || bf16 != 0)
-      return ffi::Error::InvalidArgument("linear: quad strips take a scalar layer, y [M, N] and no bf16");
-    return LinearIntDot(pool, x.typed_data(), M, xd[1], w, scale, offset, layer.typed_data()[0], y->typed_data(),
-                        wsz);
+    if (bf16 != 0) return ffi::Error::InvalidArgument("linear: quad strips take no bf16");
+  } else {
+    const int64_t row = uint4 ? kStrip / 2 : kStrip;  // stored elements per row of a strip
+    if (xd.size() != 2 ||
+        !((wd.size() == 3 && !uint4 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == row)))
+      return ffi::Error::InvalidArgument(
+          "linear: expected x [M, K] and w [L, K, N], its strips [L, N / 32, K, 32] or 4-bit strips [L, N / 32, K, 16]");
   }
-  const bool uint4 = w.element_type() == ffi::DataType::U8;
-  const bool strips = wd.size() == 4;
-  const int64_t row = uint4 ? kStrip / 2 : kStrip;  // stored elements per row of a strip
-  if (xd.size() != 2 ||
-      !((wd.size() == 3 && !uint4 && wd[1] == xd[1]) || (strips && wd[2] == xd[1] && wd[3] == row)))
-    return ffi::Error::InvalidArgument(
-        "linear: expected x [M, K] and w [L, K, N], its strips [L, N / 32, K, 32] or 4-bit strips [L, N / 32, K, 16]");
-  const int64_t K = xd[1], L = wd[0], N = strips ? wd[1] * kStrip : wd[2];
-  if (L <= 0 || layer.element_count() != 1 || y->element_count() != size_t(xd[0] * N))
-    return ffi::Error::InvalidArgument("linear: expected a scalar layer and y [M, N]");
+  const int64_t K = xd[1], L = wd[0], N = quads || strips ? wd[1] * kStrip : wd[2];
+  if (L <= 0 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("linear: expected a scalar layer");
+  if (gated != kNotGated && (gated != kSiluGated || N % 2 != 0))
+    return ffi::Error::InvalidArgument("linear: gated takes 1 (silu) and an even N");
+  if (out_count != size_t(xd[0] * (gated != kNotGated ? N / 2 : N)))
+    return ffi::Error::InvalidArgument("linear: expected y [M, N] (gated: [M, N / 2])");
+  if (quads) {
+    if (gated != kNotGated) return GatedByParts(pool, x, w, scale, offset, layer, out, M, N, wsz, bf16);
+    return LinearIntDot(pool, x.typed_data(), M, K, w, scale, offset, layer.typed_data()[0], out, wsz);
+  }
   if (!uint4 && offset.element_count() != 0)
     return ffi::Error::InvalidArgument("linear: offsets go with 4-bit weights only");
   Weights all;
@@ -197,15 +240,18 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
   if (strips) all.strip_stride = K * kStrip;
   const int64_t l = wrap_clamp(layer.typed_data()[0], L);
   const Weights weights = all.at(l * K * N, wsz > 0 ? l * (K / wsz) * N : 0);
-  float* out = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
-    std::fill(out, out + M * N, 0.f);
+    std::fill(out, out + M * (gated != kNotGated ? N / 2 : N), 0.f);
     return ffi::Error::Success();
   }
 
   const bool alone = runs_alone(M, K, N, K * N * weights.elem);
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const bool row_chunks = M > kGemvRows && M >= kRowChunkRows * threads;  // a prefill's rows (below)
+  // a gated product is activated in cache where the float32 GEMM splits rows (whole strips per half)
+  if (gated != kNotGated && !(row_chunks && bf16 == 0 && (!strips || (N / 2) % kStrip == 0)))
+    return GatedByParts(pool, x, w, scale, offset, layer, out, M, N, wsz, bf16);
   const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : strips ? kStrip : kNR;  // blocks of whole strips
   // blocks per thread: a helper thread that starts late leaves at most one block to the others.
   // B in strips costs nothing to cut finely, and up to a row block of A (kMC rows) re-reading A for
@@ -288,7 +334,7 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
   }
   packed_a.resize(round_up(M, kMR) * K);
   float* pa = packed_a.data();
-  if (M >= kRowChunkRows * threads) {
+  if (row_chunks) {
     // a prefill: rows cut into chunks, each packed and multiplied by every column by one thread, so
     // that a thread streams only its own rows of A and meets each panel of B with all of them (cut by
     // columns, every block re-read all of A: SmolLM2's projections at 2048 rows, 2 threads, 223 ->
@@ -299,7 +345,10 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
         [&](int64_t i, NoState&) {
           const int64_t t_begin = tiles * i / chunks, t_end = tiles * (i + 1) / chunks;
           pack_a(M, K, xp, pa, t_begin, t_end);
-          gemm_packed(M, N, K, pa, weights, out, thread_panel(), 0, N, {}, t_begin, t_end);
+          if (gated == kSiluGated)
+            silu_gated_gemm(M, N, K, pa, weights, out, t_begin, t_end);
+          else
+            gemm_packed(M, N, K, pa, weights, out, thread_panel(), 0, N, {}, t_begin, t_end);
         });
     return ffi::Error::Success();
   }
@@ -323,16 +372,44 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// A gated product where the GEMM cannot activate it in cache (decoding, bfloat16 or 16-bit integer
+// inputs): the whole product [M, N] into a buffer, then y [M, N / 2] = silu(its first half) * its second
+ffi::Error GatedByParts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w,
+                        ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& offset, ffi::Buffer<ffi::S32>& layer,
+                        float* out, int64_t M, int64_t N, int64_t wsz, int64_t bf16) {
+  const int64_t all_rows = x.dimensions()[0], H = N / 2;
+  thread_local std::vector<float> kept;  // kept across calls, like the packed A
+  std::vector<float>& product = kept;  // (inside the lambda, `kept` would be each worker's own)
+  product.resize(all_rows * N);
+  ffi::Error error = LinearRows(pool, x, w, scale, offset, layer, product.data(), product.size(), M, wsz, bf16,
+                                kNotGated);
+  if (!error.success()) return error;
+  constexpr int64_t kRowsPerItem = 64;
+  if (M * H < (int64_t(1) << 17) || pool.num_threads() <= 1) {  // a decode step's: not worth a helper
+    silu_gate(product.data(), N, H, M, H, out, H);
+    return error;
+  }
+  struct NoState {};
+  parallel_for<NoState>(
+      pool, (M + kRowsPerItem - 1) / kRowsPerItem, [] { return std::make_unique<NoState>(); },
+      [&](int64_t i, NoState&) {
+        const int64_t r0 = i * kRowsPerItem, rows = std::min(M, r0 + kRowsPerItem) - r0;
+        silu_gate(product.data() + r0 * N, N, H, rows, H, out + r0 * H, H);
+      });
+  return error;
+}
+
 // Only x's first `rows` rows are multiplied; y's other rows are zeros. A step padded to its shape
 // bucket (W3's prompts: 1568 tokens run as 2048) then pays for its padding with a memset only.
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
-                      ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz, int64_t bf16) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t wsz, int64_t bf16, int64_t gated) {
   auto xd = x.dimensions();
   if (rows.element_count() != 1 || xd.size() != 2)
     return ffi::Error::InvalidArgument("linear: expected x [M, K] and a scalar row count");
   const int64_t all_rows = xd[0], M = std::clamp<int64_t>(rows.typed_data()[0], 0, all_rows);
-  ffi::Error error = LinearRows(pool, x, w, scale, offset, layer, y, M, wsz, bf16);
+  ffi::Error error =
+      LinearRows(pool, x, w, scale, offset, layer, y->typed_data(), y->element_count(), M, wsz, bf16, gated);
   if (error.success() && M < all_rows) {
     const size_t N = y->element_count() / all_rows;
     std::fill(y->typed_data() + M * N, y->typed_data() + y->element_count(), 0.f);
@@ -352,6 +429,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillLinear, LinearImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // offset [L, K / wsz, N] (4-bit w; [0]: none)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows []: x's leading rows to multiply
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N] (gated: [M, N / 2])
                                   .Attr<int64_t>("wsz")  // rows per scale window (0: float32 weights)
-                                  .Attr<int64_t>("bf16"));  // 0: float32 x; 1, 2: x rounded to bfloat16 (2: bf16 dot products)
+                                  .Attr<int64_t>("bf16")  // 0: float32 x; 1, 2: x rounded to bfloat16 (2: bf16 dot products)
+                                  .Attr<int64_t>("gated"));  // 0: y = x . w; 1: y [M, N / 2] = silu(first half) * second

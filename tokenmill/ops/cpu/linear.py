@@ -138,23 +138,32 @@ def from_uint4_quads(quads: jax.Array) -> jax.Array:
     return from_strips(jnp.moveaxis(halves, -1, -2).reshape(*lead, R * 2 * QUAD, STRIP))
 
 
+GATED = {"silu": 1, "swish": 1}  # activations the kernel applies to a gated product (linear.cc's `gated`)
+
+
 def linear(x: jax.Array, w: jax.Array, layer, scale: jax.Array | None = None, wsz: int | None = None,
-           bf16: bool = False, offset: jax.Array | None = None, rows=None) -> jax.Array:
+           bf16: bool = False, offset: jax.Array | None = None, rows=None, gated: str | None = None) -> jax.Array:
     """x f32[M, K], w [L, K, N] or its strips (`to_strips`), float32, or 8-bit with scale
     f32[L, K / wsz, N], or 4-bit strips (`to_uint4_strips`) with scale and offset
     f32[L, K / wsz, N], or quad strips (`to_int8_quads`, or `to_uint4_quads` with offsets: x quantized to
     16-bit integers per window) with scale → f32[M, N]; `bf16`: x rounded to bfloat16 first (8-bit w only);
-    `rows` (traced int, default M): only x's first `rows` rows are multiplied, y's others are zeros."""
+    `rows` (traced int, default M): only x's first `rows` rows are multiplied, y's others are zeros;
+    `gated` (a GATED activation, w a fused gate/up projection [.., K, 2I]): → f32[M, I] = act(x . gate) * (x . up)."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is unavailable: {build_error(LINEAR)}")
+    if gated is not None and gated not in GATED:
+        raise ValueError(f"linear: gated={gated!r} is not one of {sorted(GATED)}")
     none = jnp.zeros((0,), jnp.float32)
     scale = none if scale is None else scale.astype(jnp.float32)
     offset = none if offset is None else offset.astype(jnp.float32)
     n = w.shape[1] * STRIP if w.ndim >= 4 else w.shape[2]
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    if gated is not None and n % 2:
+        raise ValueError(f"linear: gated needs an even number of columns, got {n}")
+    out = jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32)
     rows = x.shape[0] if rows is None else rows
     return jax.ffi.ffi_call(LINEAR.target, out)(
         x, w, scale, offset, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
         wsz=np.int64(wsz or 0),
         bf16=np.int64(2 if bf16 and envs.TOKENMILL_CPU_BF16_DOT else int(bf16)),
+        gated=np.int64(GATED[gated] if gated else 0),
     )
