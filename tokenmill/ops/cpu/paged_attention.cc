@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -136,30 +137,14 @@ TM_INLINE float hsum(v8f x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
-// exp for x <= 0 (Cephes expf: ~1 ulp), on W-wide vectors; x below the float range, and -inf, give 0.
+// exp for x <= 0 (vector_exp.h), on W-wide vectors; x below the float range, and -inf, give 0.
 template <int W>
 TM_INLINE typename Vec<W>::type expv(typename Vec<W>::type x) {
   using V = typename Vec<W>::type;
   using I = typename Vec<W>::itype;
   const V lo = V{} - 87.33654f;
   I under = x < lo;
-  x = under ? lo : x;
-  V t = x * 1.44269504088896341f + 0.5f;
-  V tf = __builtin_convertvector(__builtin_convertvector(t, I), V);
-  tf = tf > t ? tf - 1.0f : tf;  // floor
-  I n = __builtin_convertvector(tf, I);
-  x = x - tf * 0.693359375f;
-  x = x + tf * 2.12194440e-4f;
-  V z = x * x;
-  V y = V{} + 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  I e = (n + 127) << 23;
-  y = y * (V)e;
+  const V y = exp_in_range<V, I>(under ? lo : x);
   return under ? V{} : y;
 }
 
@@ -614,32 +599,6 @@ struct TileScratch {
   }
 };
 
-// acc[r][d : d + NV W) += sum_{j < n} p[r][j] v_j[d : d + NV W) for R rows (p [.][kChunk], v_j = vp[j] +
-// off), from d0 on while NV vectors fit in D; returns where it stopped. Each element sums its keys in
-// order, with the operations of pv_vectors.
-template <int W, int R, int NV, typename KT>
-TM_INLINE int64_t tile_pv(const float* p, const KT* const* vp, int64_t off, int n, int64_t d0, int64_t D,
-                          float* acc) {
-  using V = typename Vec<W>::type;
-  int64_t d = d0;
-  for (; d + NV * W <= D; d += NV * W) {
-    V a[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) a[r][v] = Vec<W>::load(acc + r * D + d + v * W);
-    for (int j = 0; j < n; ++j) {
-      V x[NV];
-      for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
-      for (int r = 0; r < R; ++r) {
-        const V w = Vec<W>::splat(p[r * kChunk + j]);
-        for (int v = 0; v < NV; ++v) a[r][v] += w * x[v];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) std::memcpy(acc + r * D + d + v * W, &a[r][v], sizeof(V));
-  }
-  return d;
-}
-
 // One tile (all kv heads) → out[t0 : t0 + n]
 template <int W, typename QT, typename KT>
 static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out, const Tile& tile,
@@ -681,18 +640,8 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
           std::fill(sg + padded, sg + std::max(padded, n), 0.0f);  // keys past the token's: p = 0
         }
       }
-      for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows) {
-        const float* pr = s + r0 * kChunk;
-        float* ar = acc + r0 * D;
-        int64_t d = tile_pv<W, kTilePvRows, 4>(pr, cv, kh * D, n, 0, D, ar);
-        d = tile_pv<W, kTilePvRows, 1>(pr, cv, kh * D, n, d, D, ar);
-        for (; d < D; ++d)  // head sizes that are not a multiple of W: as pv_group's tail
-          for (int64_t r = r0; r < r0 + kTilePvRows; ++r) {
-            float a = acc[r * D + d];
-            for (int j = 0; j < n; ++j) a += s[r * kChunk + j] * to_f32(cv[j][kh * D + d]);
-            acc[r * D + d] = a;
-          }
-      }
+      for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows)  // the one-token path's P . V, more rows
+        pv_group<kTilePvRows, W>(s + r0 * kChunk, cv, hi - c0 + 1, kh * D, n, D, acc + r0 * D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = kh * G + r % G;

@@ -8,31 +8,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_exp.h"
+
 namespace {
 
 typedef int32_t vi __attribute__((vector_size(kVW * sizeof(int32_t))));
 
-// e^x on a vector (Cephes expf, ~1 ulp), x clamped to [-87.3, 88.7] (e^x stays a normal float)
+// e^x on a vector, x clamped to [-87.3, 88.7] (e^x stays a normal float)
 TM_INLINE vf exp_clamped(vf x) {
   x = x < -87.33654f ? vf{} - 87.33654f : x;
   x = x > 88.72283f ? vf{} + 88.72283f : x;
-  vf t = x * 1.44269504088896341f + 0.5f;
-  vf tf = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-  tf = tf > t ? tf - 1.0f : tf;  // floor
-  const vi n = __builtin_convertvector(tf, vi);
-  x = x - tf * 0.693359375f;
-  x = x + tf * 2.12194440e-4f;
-  const vf z = x * x;
-  vf y = vf{} + 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  // 2^n as two factors: n reaches 128 at the top of the range, one past a float's largest exponent
-  const vi half = n >> 1;
-  return y * (vf)((half + 127) << 23) * (vf)((n - half + 127) << 23);
+  return exp_in_range<vf, vi>(x);
 }
 
 // out[r * ldo + c] = silu(y[r * ldy + c]) * y[r * ldy + up + c] for r < rows, c < cols: silu(g) =
