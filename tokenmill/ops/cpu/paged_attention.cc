@@ -227,45 +227,58 @@ TM_INLINE void prefetch_key(const Prefetch<KT>& pf, int64_t j) {
 }
 
 // The K and V rows of the item this thread runs next (its first kNextItemBytes of them), fetched into
-// L2 while this one runs: each chunk of this item's keys fetches its share [from, to) of them,
-// spread over its groups of 8 keys. The 16 keys ahead that an item prefetches of its own hide the
-// latency of one block; this hides that of the next item's first blocks, and keeps more reads in
-// flight. Zen 4, 30 layers of SmolLM2 decoding, alternating runs: 64 x 192 keys 32.7-34.1 ->
-// 26.9-27.4 ms; 16 x 1100, 46.0-46.1 -> 43.1-49.8 (capped at 256 or 512 KiB: 43.4-45.8).
+// L2 while this one runs, a few cache lines at every step of its loops (a group of 8 keys scored, a key
+// of P . V). The 16 keys ahead that an item prefetches of its own hide the latency of one block; this
+// hides that of the next item's first blocks, and keeps reads in flight all the time: a core has few
+// misses in flight, so a burst of prefetches (a chunk's share of the next item at once, before) stalls
+// it at the prefetches while the arithmetic between bursts leaves the memory idle. Zen 4, 30 layers of
+// SmolLM2 decoding at batch 64 x 192 keys (566 MB of K and V; reading them alone takes ~22 ms),
+// alternating runs of 25: medians 27.9-33.2 -> 24.9-27.5 ms (one 32.7); 16 x 1100 keys, 52.1-58.2 ->
+// 50.3-52.6 ms. An item's keys that the item before it fetched are not prefetched again.
 constexpr int64_t kNextItemBytes = 384 << 10;
 
 template <typename KT>
 struct NextItem {
   const KT* const* kp = nullptr;  // the next item's slot pointers (nullptr: nothing to fetch)
   const KT* const* vp = nullptr;
-  int64_t from = 0, to = 0;  // the next item's keys to fetch during this chunk
+  int64_t count = 0;  // its keys to fetch
   int64_t off = 0;  // elements from the slot start to the next item's first kv head
   int64_t bytes = 0;  // bytes of the next item's kv heads in one slot
-};
+  int64_t per_step = 0;  // cache lines per step of P . V (a group of scores: 8 steps)
+  // where the stream stands: key j's K row (or its V row), from `line` to `last`
+  int64_t j = 0;
+  bool value = false;
+  const char* line = nullptr;
+  const char* last = nullptr;
 
-template <typename KT>
-TM_INLINE void prefetch_next(const NextItem<KT>& next, int64_t begin, int64_t end) {
-  for (int64_t j = begin; j < end; ++j) {
-    const char* k = reinterpret_cast<const char*>(next.kp[j] + next.off);
-    const char* v = reinterpret_cast<const char*>(next.vp[j] + next.off);
-    for (int64_t b = 0; b < next.bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);
-      __builtin_prefetch(v + b, 0, 2);
+  inline __attribute__((always_inline)) void start_row() {
+    const char* row = reinterpret_cast<const char*>((value ? vp : kp)[j] + off);
+    line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63));
+    last = row + bytes - 1;
+  }
+
+  inline __attribute__((always_inline)) void step(int64_t steps = 1) {
+    for (int64_t i = 0; i < steps * per_step && j < count; ++i) {
+      if (line == nullptr) start_row();
+      __builtin_prefetch(line, 0, 2);
+      line += 64;
+      if (line > last) {
+        line = nullptr;
+        if (value) ++j;
+        value = !value;
+      }
     }
   }
-}
+};
 
 // Eight keys at a time; the last group repeats the last key (its extra scores land in the chunk's
 // padding, which the softmax masks), so that every score is summed the same way.
 template <int GN, int W, typename KT>
 static void scores_group(const float* q, const KT* const* kp, int64_t off, int n, int64_t D, float* s,
-                         const Prefetch<KT>& pf, const NextItem<KT>& next) {
+                         const Prefetch<KT>& pf, NextItem<KT>* next) {
   for (int j = 0; j < n; j += 8) {
     for (int i = 0; i < 8; ++i) prefetch_key(pf, j + i + kPrefetchAhead);
-    if (next.kp != nullptr) {
-      const int64_t span = next.to - next.from;
-      prefetch_next(next, next.from + span * j / n, next.from + span * std::min(j + 8, n) / n);
-    }
+    if (next != nullptr) next->step(8);
     if (j + 8 <= n) {
       scores8<GN, W>(q, kp + j, off, D, s + j);
     } else {
@@ -290,7 +303,7 @@ constexpr int kPvVectors = 2;
 // the rows kValuePrefetchAhead keys on are prefetched, into the next chunk.
 template <int GN, int W, int NV, typename KT>
 TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t d0,
-                             int64_t D, float* acc) {
+                             int64_t D, float* acc, NextItem<KT>* next) {
   using V = typename Vec<W>::type;
   int64_t d = d0;
   for (; d + NV * W <= D; d += NV * W) {
@@ -298,6 +311,7 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid,
     for (int g = 0; g < GN; ++g)
       for (int v = 0; v < NV; ++v) a[v][g] = Vec<W>::load(acc + g * D + d + v * W);
     for (int j = 0; j < n; ++j) {
+      if (next != nullptr) next->step();
       if (j + kValuePrefetchAhead < valid) {
         const char* ahead = reinterpret_cast<const char*>(vp[j + kValuePrefetchAhead] + off + d);
         for (int b = 0; b < NV * W * int(sizeof(KT)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
@@ -316,9 +330,10 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid,
 }
 
 template <int GN, int W, typename KT>
-static void pv_group(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t D, float* acc) {
-  int64_t d = pv_vectors<GN, W, kPvVectors>(p, vp, valid, off, n, 0, D, acc);
-  d = pv_vectors<GN, W, 1>(p, vp, valid, off, n, d, D, acc);
+static void pv_group(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t D, float* acc,
+                     NextItem<KT>* next = nullptr) {
+  int64_t d = pv_vectors<GN, W, kPvVectors>(p, vp, valid, off, n, 0, D, acc, next);
+  d = pv_vectors<GN, W, 1>(p, vp, valid, off, n, d, D, acc, next);
   for (; d < D; ++d) {
     for (int g = 0; g < GN; ++g) {
       float a = acc[g * D + d];
@@ -330,19 +345,17 @@ static void pv_group(const float* p, const KT* const* vp, int64_t valid, int64_t
 
 template <int W, typename KT>
 static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, int64_t G, int64_t D, float* s,
-                       const Prefetch<KT>& pf, const NextItem<KT>& next) {
+                       const Prefetch<KT>& pf, NextItem<KT>* next) {
   const Prefetch<KT> none;
-  const NextItem<KT> nothing;
   for (int64_t g0 = 0; g0 < G; g0 += kScoreGroup) {
     const float* qg = q + g0 * D;
     float* sg = s + g0 * kChunk;
     const Prefetch<KT>& p = g0 == 0 ? pf : none;  // the first pass over the keys prefetches
-    const NextItem<KT>& x = g0 == 0 ? next : nothing;
     switch (std::min<int64_t>(kScoreGroup, G - g0)) {
-      case 1: scores_group<1, W>(qg, kp, off, n, D, sg, p, x); break;
+      case 1: scores_group<1, W>(qg, kp, off, n, D, sg, p, next); break;
 #if defined(__AVX512F__)
-      case 2: scores_group<2, W>(qg, kp, off, n, D, sg, p, x); break;
-      default: scores_group<3, W>(qg, kp, off, n, D, sg, p, x); break;
+      case 2: scores_group<2, W>(qg, kp, off, n, D, sg, p, next); break;
+      default: scores_group<3, W>(qg, kp, off, n, D, sg, p, next); break;
 #endif
     }
   }
@@ -350,15 +363,15 @@ static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, 
 
 template <int W, typename KT>
 static void pv_all(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t G, int64_t D,
-                   float* acc) {
+                   float* acc, NextItem<KT>* next) {
   for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
     const float* pg = p + g0 * kChunk;
     float* ag = acc + g0 * D;
     switch (std::min<int64_t>(kMaxGroup, G - g0)) {
-      case 1: pv_group<1, W>(pg, vp, valid, off, n, D, ag); break;
-      case 2: pv_group<2, W>(pg, vp, valid, off, n, D, ag); break;
-      case 3: pv_group<3, W>(pg, vp, valid, off, n, D, ag); break;
-      default: pv_group<4, W>(pg, vp, valid, off, n, D, ag); break;
+      case 1: pv_group<1, W>(pg, vp, valid, off, n, D, ag, next); break;
+      case 2: pv_group<2, W>(pg, vp, valid, off, n, D, ag, next); break;
+      case 3: pv_group<3, W>(pg, vp, valid, off, n, D, ag, next); break;
+      default: pv_group<4, W>(pg, vp, valid, off, n, D, ag, next); break;
     }
   }
 }
@@ -399,6 +412,7 @@ struct Scratch {
   std::vector<const KT*> next_kp, next_vp;  // those of the item this thread runs next
   int64_t next_item = -1;  // that item (its slots are reused when it runs)
   Visible next_vis{};
+  int64_t next_fetched = 0;  // its first keys fetched ahead (their K and V rows)
   explicit Scratch(const Problem& pb)
       : q(pb.span * pb.G * pb.D), acc(pb.span * pb.G * pb.D), s(pb.span * pb.G * kChunk), m(pb.span * pb.G),
         l(pb.span * pb.G), kp(kChunk), vp(kChunk), next_kp(kChunk), next_vp(kChunk) {}
@@ -489,9 +503,11 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   std::fill(sc.l.begin(), sc.l.end(), 0.0f);
   float* s = sc.s.data();
   Visible vis;
+  int64_t fetched = 0;  // keys whose rows the previous item fetched ahead
   if (sc.next_item == item) {  // fetched ahead as the previous item's next: its slots are known
     std::swap(sc.kp, sc.next_kp), std::swap(sc.vp, sc.next_vp);
     vis = sc.next_vis;
+    fetched = sc.next_fetched;
   } else {
     vis = visible_slots(pb, item, kc, vc, sc.kp, sc.vp);
   }
@@ -506,11 +522,19 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     sc.next_item = following;
     sc.next_vis = visible_slots(pb, following, kc, vc, sc.next_kp, sc.next_vp);
     next_len = std::min<int64_t>(sc.next_vis.len(), kNextItemBytes / (2 * next.bytes));
+    sc.next_fetched = next_len;
     next.kp = sc.next_kp.data(), next.vp = sc.next_vp.data();
     next.off = (following % (pb.KVH / pb.span)) * pb.span * D;
+    next.count = next_len;
+    // spread over this item's steps: 8 per group of 8 keys scored, 1 per key of each pass of P . V
+    const int64_t pv_passes = D / (kPvVectors * W) + D % (kPvVectors * W) / W;
+    const int64_t steps = pb.span * ((uniform ? 0 : (G + kScoreGroup - 1) / kScoreGroup * (len + 7) / 8 * 8) +
+                                     (G + kMaxGroup - 1) / kMaxGroup * pv_passes * len);
+    const int64_t lines = next_len * 2 * (next.bytes / 64 + 1);
+    next.per_step = steps > 0 ? lines / steps + 1 : 0;
   }
   const int64_t item_bytes = int64_t(sizeof(KT)) * pb.span * D;
-  for (int64_t j = 0; j < std::min<int64_t>(kPrefetchAhead, len); ++j) {
+  for (int64_t j = fetched; j < std::min<int64_t>(kPrefetchAhead, len); ++j) {
     prefetch_key(Prefetch<KT>{kp, len, kh0 * D, item_bytes}, j);
   }
 
@@ -521,12 +545,11 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     if (uniform) {
       for (int64_t g = 0; g < heads; ++g) std::fill(s + g * kChunk, s + g * kChunk + n, 0.0f);
     } else {
-      const Prefetch<KT> pf{ck, hi - c0 + 1, kh0 * D, item_bytes};
-      NextItem<KT> share = next;
-      share.from = next_len * (c0 - lo) / len, share.to = next_len * (c0 - lo + n) / len;
+      const bool ahead = c0 - lo + kChunk + kPrefetchAhead > fetched;  // else the keys are in L2 already
+      const Prefetch<KT> pf = ahead ? Prefetch<KT>{ck, hi - c0 + 1, kh0 * D, item_bytes} : Prefetch<KT>{};
       for (int64_t k = 0; k < pb.span; ++k)
         scores_all<W, KT>(qf + k * G * D, ck, (kh0 + k) * D, n, G, D, s + k * G * kChunk, k == 0 ? pf : Prefetch<KT>{},
-                          k == 0 ? share : NextItem<KT>{});
+                          next.kp != nullptr ? &next : nullptr);
     }
     const int padded = (n + W - 1) / W * W;  // kChunk is a multiple of W: within the head's scores
     for (int64_t g = 0; g < heads; ++g) {
@@ -534,7 +557,8 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
       softmax_step<W>(s + g * kChunk, padded, m[g], l[g], acc + g * D, D);
     }
     for (int64_t k = 0; k < pb.span; ++k)
-      pv_all<W, KT>(s + k * G * kChunk, cv, hi - c0 + 1, (kh0 + k) * D, n, G, D, acc + k * G * D);
+      pv_all<W, KT>(s + k * G * kChunk, cv, hi - c0 + 1, (kh0 + k) * D, n, G, D, acc + k * G * D,
+                    next.kp != nullptr ? &next : nullptr);
   }
   const float* sink = pb.sinks + kh0 * G;
   for (int64_t g = 0; g < heads; ++g) {
@@ -610,7 +634,6 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
   float *qf = sc.q.data(), *s = sc.s.data(), *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
   std::fill(s + rows * kChunk, s + pv_rows * kChunk, 0.0f);  // padding rows: no keys
   const Prefetch<KT> no_prefetch;
-  const NextItem<KT> no_next;
   for (int64_t kh = 0; kh < pb.KVH; ++kh) {
     for (int64_t i = 0; i < tile.n; ++i) {
       const QT* qi = q + ((tile.t0 + i) * pb.H + kh * G) * D;  // the token's G heads of this kv head
@@ -631,7 +654,7 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
           continue;
         }
         const int ni = int(std::min<int64_t>(kChunk, own));
-        scores_all<W, KT>(qf + i * G * D, ck, kh * D, ni, G, D, si, no_prefetch, no_next);
+        scores_all<W, KT>(qf + i * G * D, ck, kh * D, ni, G, D, si, no_prefetch, nullptr);
         const int padded = (ni + W - 1) / W * W;
         for (int64_t g = 0; g < G; ++g) {
           float* sg = si + g * kChunk;
