@@ -297,13 +297,21 @@ constexpr int kPvVectors = 4;
 constexpr int kPvVectors = 2;
 #endif
 
+// Where P . V finds p[g][j]: at p + g * row + j * key (the one-token path's rows of kChunk scores, or
+// a tile's scores with its rows along the vector lanes)
+struct Strides {
+  int64_t row, key;
+};
+constexpr Strides kRowMajor{kChunk, 1};
+
 // acc[g][d] += sum_j p[g][j] * v_j[d] over d = d0, d0 + NV * W, ... while NV W-wide vectors fit in
-// D, for GN heads (v_j = vp[j] + off); returns where it stopped. Every element sums its keys in
-// order j = 0, 1, ..., whatever the width. vp[0 : valid] are the item's slots from this chunk on:
-// the rows kValuePrefetchAhead keys on are prefetched, into the next chunk.
+// D, for GN heads (v_j = vp[j] + off; p[g][j] at p + g * P.row + j * P.key); returns where it
+// stopped. Every element sums its keys in order j = 0, 1, ..., whatever the width. vp[0 : valid] are
+// the item's slots from this chunk on: the rows kValuePrefetchAhead keys on are prefetched, into the
+// next chunk.
 template <int GN, int W, int NV, typename KT>
-TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t d0,
-                             int64_t D, float* acc, NextItem<KT>* next) {
+TM_INLINE int64_t pv_vectors(const float* p, Strides P, const KT* const* vp, int64_t valid, int64_t off, int n,
+                             int64_t d0, int64_t D, float* acc, NextItem<KT>* next) {
   using V = typename Vec<W>::type;
   int64_t d = d0;
   for (; d + NV * W <= D; d += NV * W) {
@@ -319,7 +327,7 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid,
       V x[NV];
       for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
       for (int g = 0; g < GN; ++g) {
-        const V w = Vec<W>::splat(p[g * kChunk + j]);
+        const V w = Vec<W>::splat(p[g * P.row + j * P.key]);
         for (int v = 0; v < NV; ++v) a[v][g] += w * x[v];
       }
     }
@@ -330,14 +338,14 @@ TM_INLINE int64_t pv_vectors(const float* p, const KT* const* vp, int64_t valid,
 }
 
 template <int GN, int W, typename KT>
-static void pv_group(const float* p, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t D, float* acc,
-                     NextItem<KT>* next = nullptr) {
-  int64_t d = pv_vectors<GN, W, kPvVectors>(p, vp, valid, off, n, 0, D, acc, next);
-  d = pv_vectors<GN, W, 1>(p, vp, valid, off, n, d, D, acc, next);
+static void pv_group(const float* p, Strides P, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t D,
+                     float* acc, NextItem<KT>* next = nullptr) {
+  int64_t d = pv_vectors<GN, W, kPvVectors>(p, P, vp, valid, off, n, 0, D, acc, next);
+  d = pv_vectors<GN, W, 1>(p, P, vp, valid, off, n, d, D, acc, next);
   for (; d < D; ++d) {
     for (int g = 0; g < GN; ++g) {
       float a = acc[g * D + d];
-      for (int j = 0; j < n; ++j) a += p[g * kChunk + j] * to_f32(vp[j][off + d]);
+      for (int j = 0; j < n; ++j) a += p[g * P.row + j * P.key] * to_f32(vp[j][off + d]);
       acc[g * D + d] = a;
     }
   }
@@ -368,10 +376,10 @@ static void pv_all(const float* p, const KT* const* vp, int64_t valid, int64_t o
     const float* pg = p + g0 * kChunk;
     float* ag = acc + g0 * D;
     switch (std::min<int64_t>(kMaxGroup, G - g0)) {
-      case 1: pv_group<1, W>(pg, vp, valid, off, n, D, ag, next); break;
-      case 2: pv_group<2, W>(pg, vp, valid, off, n, D, ag, next); break;
-      case 3: pv_group<3, W>(pg, vp, valid, off, n, D, ag, next); break;
-      default: pv_group<4, W>(pg, vp, valid, off, n, D, ag, next); break;
+      case 1: pv_group<1, W>(pg, kRowMajor, vp, valid, off, n, D, ag, next); break;
+      case 2: pv_group<2, W>(pg, kRowMajor, vp, valid, off, n, D, ag, next); break;
+      case 3: pv_group<3, W>(pg, kRowMajor, vp, valid, off, n, D, ag, next); break;
+      default: pv_group<4, W>(pg, kRowMajor, vp, valid, off, n, D, ag, next); break;
     }
   }
 }
@@ -452,6 +460,17 @@ static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, cons
 // One chunk's step of the online softmax for one row of scores s[0 : padded) (padded a multiple of W,
 // masked scores -inf, at least one not): s becomes exp(s - m'), for m' the new running max, and the
 // running sum l and the accumulated P . V acc[0 : D) are rescaled to m'.
+// l * alpha + h, the online softmax's running sum, rounded once where the target has FMA: spelled out,
+// so that softmax_step and softmax_step_lanes round it alike (a scalar a * b + c is the compiler's to
+// fuse or not, place by place)
+TM_INLINE float rescaled_sum(float l, float alpha, float h) {
+#if defined(__FMA__)
+  return std::fma(l, alpha, h);
+#else
+  return l * alpha + h;
+#endif
+}
+
 template <int W>
 TM_INLINE void softmax_step(float* s, int padded, float& m, float& l, float* acc, int64_t D) {
   using V = typename Vec<W>::type;
@@ -470,7 +489,7 @@ TM_INLINE void softmax_step(float* s, int padded, float& m, float& l, float* acc
     std::memcpy(s + j, &e, sizeof(e));
     vsum += e;
   }
-  l = l * alpha + hsum(Vec<W>::fold(vsum));
+  l = rescaled_sum(l, alpha, hsum(Vec<W>::fold(vsum)));
   m = mnew;
   if (alpha != 1.0f)
     for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
@@ -573,10 +592,12 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
 // meets each chunk of keys with all its tokens while the chunk is in L1: each K row is read from memory
 // once per tile instead of once per token, and P . V runs kTilePvRows query heads at a time on each V
 // row instead of one token's. A token's arithmetic is the one-token path's, in the same order (scores
-// by scores_all, the online softmax by softmax_step, chunks from position 0; the keys a shorter row does
-// not see add exact zeros to P . V), so its result is bit for bit the same in a tile or alone: greedy
-// output does not depend on how a prompt is chunked or batched. (Tokens whose window starts past 0 take
-// the one-token path, whose chunks start at the window.)
+// by tile_scores, which sums each as scores8 does, or by scores_all itself where the head size is not a
+// multiple of the vector width; the online softmax by softmax_step or its rows-along-the-lanes twin,
+// chunks from position 0; the keys a shorter row does not see add exact zeros to P . V), so its result
+// is bit for bit the same in a tile or alone: greedy output does not depend on how a prompt is chunked
+// or batched. (Tokens whose window starts past 0 take the one-token path, whose chunks start at the
+// window.)
 constexpr int kTileTokens = 16;
 #if defined(__AVX512F__)
 constexpr int kTilePvRows = 6;  // P . V: 6 rows x 4 vectors of V in AVX-512's 32 registers
@@ -616,12 +637,96 @@ template <typename KT>
 struct TileScratch {
   // one row per query head of the tile (rows padded to whole kTilePvRows): token i, head g at i * G + g
   std::vector<float> q, s, acc, m, l;  // q [rows][D] scaled, s [rows][kChunk], acc [rows][D]
+  // with the rows along the vector lanes (tile_scores, softmax_step_lanes): q [D][lanes], s [kChunk][lanes]
+  // for lanes the rows padded to whole kTilePvRows, then to whole vectors
+  std::vector<float> qt, st;
   std::vector<const KT*> kp, vp;  // slot pointers of the tile's keys
   explicit TileScratch(const Problem& pb) {
     const int64_t rows = (kTileTokens * pb.G + kTilePvRows - 1) / kTilePvRows * kTilePvRows;
-    q.resize(rows * pb.D), s.resize(rows * kChunk), acc.resize(rows * pb.D), m.resize(rows), l.resize(rows);
+    const int64_t lanes = (rows + kWide - 1) / kWide * kWide;
+    q.resize(rows * pb.D), s.resize(rows * kChunk), acc.resize(rows * pb.D), m.resize(lanes), l.resize(lanes);
+    qt.resize(pb.D * lanes), st.resize(kChunk * lanes);
   }
 };
+
+// The scores of a tile's rows for keys [0, n) of a chunk, with the rows along the vector lanes: st[j *
+// lanes + r] = q_r . k_j for q's rows transposed in qt [D][lanes] (lanes: the rows padded to whole W-wide
+// vectors). Each score is summed exactly as scores8 sums it for one token (which takes the head along
+// the lanes instead): lane l of the head, l < W, is a chain of multiply-adds over d = l, l + W, ...
+// (D a multiple of W), a 16-wide build then adds lanes l and l + 8, and the eight sums meet in
+// reduce8's tree, ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). So a token's scores are bit for bit
+// its one-token scores, without the one-token path's horizontal sums: a key costs D multiply-adds and
+// 15 adds per W rows.
+template <int W, typename KT>
+static void tile_scores(const float* qt, int64_t lanes, const KT* const* ck, int64_t off, int n, int64_t D, float* st) {
+  using V = typename Vec<W>::type;
+  for (int64_t r0 = 0; r0 < lanes; r0 += W) {
+    for (int j = 0; j < n; ++j) {
+      const KT* k = ck[j] + off;
+      V p[W];
+      for (int e = 0; e < W; ++e) p[e] = V{};
+      for (int64_t d = 0; d < D; d += W)
+        for (int e = 0; e < W; ++e) p[e] += Vec<W>::load(qt + (d + e) * lanes + r0) * Vec<W>::splat(to_f32(k[d + e]));
+      V x[8];
+      for (int e = 0; e < 8; ++e) {
+        if constexpr (W == 16)
+          x[e] = p[e] + p[e + 8];
+        else
+          x[e] = p[e];
+      }
+      const V score = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+      std::memcpy(st + j * lanes + r0, &score, sizeof(V));
+    }
+  }
+}
+
+// softmax_step for each of rows [0, rows) of a tile's scores with the rows along the lanes (st [padded][lanes],
+// masked scores -inf), in softmax_step's arithmetic row by row: the max (exact in any order), m', alpha
+// by std::exp, e = expv lane by lane, and the sum of e as softmax_step sums it (its lane t: keys t, t +
+// W, ... in order; then the halves folded and hsum's tree). Lanes past `rows` hold garbage after it.
+template <int W>
+static void softmax_step_lanes(float* st, int64_t lanes, int64_t rows, int padded, float* m, float* l, float* acc,
+                               int64_t D) {
+  using V = typename Vec<W>::type;
+  for (int64_t r0 = 0; r0 < rows; r0 += W) {
+    float* col = st + r0;
+    V vmax = Vec<W>::load(col);
+    for (int j = 1; j < padded; ++j) {
+      const V x = Vec<W>::load(col + j * lanes);
+      vmax = x > vmax ? x : vmax;
+    }
+    float mnew[W], alpha[W];
+    for (int e = 0; e < W; ++e) {
+      const bool row = r0 + e < rows;
+      mnew[e] = row ? std::max(m[r0 + e], vmax[e]) : 0.0f;
+      alpha[e] = row ? std::exp(m[r0 + e] - mnew[e]) : 1.0f;
+    }
+    const V vm = Vec<W>::load(mnew);
+    V part[W];
+    for (int t = 0; t < W; ++t) part[t] = V{};
+    for (int j0 = 0; j0 < padded; j0 += W)
+      for (int t = 0; t < W; ++t) {
+        const V e = expv<W>(Vec<W>::load(col + (j0 + t) * lanes) - vm);
+        std::memcpy(col + (j0 + t) * lanes, &e, sizeof(e));
+        part[t] += e;
+      }
+    V y[8];
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (W == 16)
+        y[i] = part[i] + part[i + 8];
+      else
+        y[i] = part[i];
+    }
+    const V h = ((y[0] + y[4]) + (y[1] + y[5])) + ((y[2] + y[6]) + (y[3] + y[7]));
+    for (int e = 0; e < W && r0 + e < rows; ++e) {
+      const int64_t r = r0 + e;
+      l[r] = rescaled_sum(l[r], alpha[e], h[e]);
+      m[r] = mnew[e];
+      if (alpha[e] != 1.0f)
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= alpha[e];
+    }
+  }
+}
 
 // One tile (all kv heads) → out[t0 : t0 + n]
 template <int W, typename QT, typename KT>
@@ -634,11 +739,17 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
   float *qf = sc.q.data(), *s = sc.s.data(), *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
   std::fill(s + rows * kChunk, s + pv_rows * kChunk, 0.0f);  // padding rows: no keys
   const Prefetch<KT> no_prefetch;
+  const bool transposed = D % W == 0;  // the rows along the lanes (else scores_all, token by token)
+  const int64_t lanes = (pv_rows + W - 1) / W * W;
+  float *qt = sc.qt.data(), *st = sc.st.data();
   for (int64_t kh = 0; kh < pb.KVH; ++kh) {
     for (int64_t i = 0; i < tile.n; ++i) {
       const QT* qi = q + ((tile.t0 + i) * pb.H + kh * G) * D;  // the token's G heads of this kv head
       for (int64_t e = 0; e < G * D; ++e) qf[i * G * D + e] = to_f32(qi[e]) * pb.scale;
     }
+    if (transposed)
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < lanes; ++r) qt[d * lanes + r] = r < rows ? qf[r * D + d] : 0.0f;
     std::fill(acc, acc + pv_rows * D, 0.0f);
     std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
     std::fill(l, l + rows, 0.0f);
@@ -646,6 +757,21 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
       const int n = int(std::min<int64_t>(kChunk, hi - c0 + 1));  // the last token's keys in this chunk
       const KT* const* ck = sc.kp.data() + c0;
       const KT* const* cv = sc.vp.data() + c0;
+      if (transposed) {
+        // every row's scores for all n keys, those past a token's own masked; the softmax and P . V on them
+        tile_scores<W, KT>(qt, lanes, ck, kh * D, n, D, st);
+        const int padded = (n + W - 1) / W * W;
+        for (int64_t i = 0; i < tile.n; ++i) {
+          const int64_t own = std::max<int64_t>(0, token_keys(pb, tile.t0 + i).hi - c0 + 1);
+          for (int64_t j = std::min<int64_t>(own, padded); j < padded; ++j)
+            for (int64_t r = i * G; r < (i + 1) * G; ++r) st[j * lanes + r] = -std::numeric_limits<float>::infinity();
+        }
+        softmax_step_lanes<W>(st, lanes, rows, padded, m, l, acc, D);
+        for (int j = 0; j < n; ++j) std::fill(st + j * lanes + rows, st + j * lanes + pv_rows, 0.0f);  // no rows
+        for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows)
+          pv_group<kTilePvRows, W>(st + r0, Strides{1, lanes}, cv, hi - c0 + 1, kh * D, n, D, acc + r0 * D);
+        continue;
+      }
       for (int64_t i = 0; i < tile.n; ++i) {
         float* si = s + i * G * kChunk;
         const int64_t own = token_keys(pb, tile.t0 + i).hi - c0 + 1;  // this token's keys in the chunk
@@ -664,7 +790,7 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
         }
       }
       for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows)  // the one-token path's P . V, more rows
-        pv_group<kTilePvRows, W>(s + r0 * kChunk, cv, hi - c0 + 1, kh * D, n, D, acc + r0 * D);
+        pv_group<kTilePvRows, W>(s + r0 * kChunk, kRowMajor, cv, hi - c0 + 1, kh * D, n, D, acc + r0 * D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = kh * G + r % G;
