@@ -649,6 +649,18 @@ struct TileScratch {
   }
 };
 
+// Vec<W>::fold for W vectors whose lanes are rows, each vector one lane of the one-token path's: out[i] =
+// in[i] + in[i + 8] (16-wide), in[i] (8-wide), i < 8
+template <int W>
+TM_INLINE void fold_across(const typename Vec<W>::type* in, typename Vec<W>::type* out) {
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (W == 16)
+      out[i] = in[i] + in[i + 8];
+    else
+      out[i] = in[i];
+  }
+}
+
 // The scores of a tile's rows for keys [0, n) of a chunk, with the rows along the vector lanes: st[j *
 // lanes + r] = q_r . k_j for q's rows transposed in qt [D][lanes] (lanes: the rows padded to whole W-wide
 // vectors). Each score is summed exactly as scores8 sums it for one token (which takes the head along
@@ -668,12 +680,7 @@ static void tile_scores(const float* qt, int64_t lanes, const KT* const* ck, int
       for (int64_t d = 0; d < D; d += W)
         for (int e = 0; e < W; ++e) p[e] += Vec<W>::load(qt + (d + e) * lanes + r0) * Vec<W>::splat(to_f32(k[d + e]));
       V x[8];
-      for (int e = 0; e < 8; ++e) {
-        if constexpr (W == 16)
-          x[e] = p[e] + p[e + 8];
-        else
-          x[e] = p[e];
-      }
+      fold_across<W>(p, x);
       const V score = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
       std::memcpy(st + j * lanes + r0, &score, sizeof(V));
     }
@@ -711,12 +718,7 @@ static void softmax_step_lanes(float* st, int64_t lanes, int64_t rows, int padde
         part[t] += e;
       }
     V y[8];
-    for (int i = 0; i < 8; ++i) {
-      if constexpr (W == 16)
-        y[i] = part[i] + part[i + 8];
-      else
-        y[i] = part[i];
-    }
+    fold_across<W>(part, y);
     const V h = ((y[0] + y[4]) + (y[1] + y[5])) + ((y[2] + y[6]) + (y[3] + y[7]));
     for (int e = 0; e < W && r0 + e < rows; ++e) {
       const int64_t r = r0 + e;
