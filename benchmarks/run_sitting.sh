@@ -2,6 +2,7 @@
 # One benchmark sitting: tokenmill and its peers on W1/W2 (DESIGN.md), one after the other, under
 # one lock so no two timed runs overlap. Peers are set up as ../shared/peers/README.md says.
 # Usage: benchmarks/run_sitting.sh [OUT_DIR] [REPS]    (results: one JSON file per run)
+# WORKLOADS (default "w1 w2 startup"): the parts to run, e.g. WORKLOADS=w2 for single-stream decoding only.
 # tokenmill W1 runs W1_REPS (default 10) back-to-back reps, to show memory does not grow.
 set -u
 cd "$(dirname "$0")/.."
@@ -15,35 +16,36 @@ PEERS=$(cd "$PEERS" && pwd)
 mkdir -p "$OUT"
 lock() { flock /tmp/bench.lock "$@"; }
 result() { grep '^RESULT ' | sed 's/^RESULT //' > "$OUT/$1.json"; }
+want() { [[ " ${WORKLOADS:-w1 w2 startup} " == *" $1 "* ]]; }
 
-lock .venv/bin/tokenmill bench throughput --reps "${W1_REPS:-10}" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
-lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenmill-w2.json" > "$OUT/tokenmill-w2.log" 2>&1
+want w1 && lock .venv/bin/tokenmill bench throughput --reps "${W1_REPS:-10}" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
+want w2 && lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenmill-w2.json" > "$OUT/tokenmill-w2.log" 2>&1
 # W1 with 1024-token prompts (the long-context target compares its total tok/s with W1's)
-lock .venv/bin/tokenmill bench throughput --input-len 1024 --reps "${LONG_REPS:-2}" --output-json "$OUT/tokenmill-w1-1024.json" > "$OUT/tokenmill-w1-1024.log" 2>&1
-lock .venv/bin/python benchmarks/startup.py | result tokenmill-startup
+want w1 && lock .venv/bin/tokenmill bench throughput --input-len 1024 --reps "${LONG_REPS:-2}" --output-json "$OUT/tokenmill-w1-1024.json" > "$OUT/tokenmill-w1-1024.log" 2>&1
+want startup && lock .venv/bin/python benchmarks/startup.py | result tokenmill-startup
 # --quantization: projections and LM head in 8 bits; gguf: the shipped file's Q4_1 / Q8_0 blocks kept
 for q in int8 w8a16 w8a16_int gguf gguf_int; do
-  lock .venv/bin/tokenmill bench throughput --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w1.json" > "$OUT/tokenmill-$q-w1.log" 2>&1
-  lock .venv/bin/tokenmill bench latency --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w2.json" > "$OUT/tokenmill-$q-w2.log" 2>&1
+  want w1 && lock .venv/bin/tokenmill bench throughput --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w1.json" > "$OUT/tokenmill-$q-w1.log" 2>&1
+  want w2 && lock .venv/bin/tokenmill bench latency --quantization $q --reps "$REPS" --output-json "$OUT/tokenmill-$q-w2.json" > "$OUT/tokenmill-$q-w2.log" 2>&1
 done
 # the peers' Q8_0 GGUF with its blocks kept: 8 bits against llama.cpp's Q8_0 on the same file
 q8=$(ls "$PEERS_DIR"/*Q8_0*.gguf 2>/dev/null | head -1)
 for q in gguf gguf_int; do
-  [ -n "$q8" ] && lock .venv/bin/tokenmill bench latency --model "$q8" --quantization $q --reps "$REPS" \
+  want w2 && [ -n "$q8" ] && lock .venv/bin/tokenmill bench latency --model "$q8" --quantization $q --reps "$REPS" \
     --output-json "$OUT/tokenmill-$q-q8_0-w2.json" > "$OUT/tokenmill-$q-q8_0-w2.log" 2>&1
 done
-(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
-(cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
+want w1 && (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
+want w2 && (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
 # llama.cpp through benchmarks/llama_peer.py: its AMX / repacked buffers off (they crash on Q8_0 / Q4_1)
 llama() { PEERS_SRC="$PEERS" lock "$PEERS_DIR/llama/bin/python" benchmarks/llama_peer.py "$@"; }
-llama --workload w2 --reps "$REPS" | result llama-q4_1-w2
-llama --workload w1 --reps "$REPS" | result llama-q4_1-w1
+want w2 && llama --workload w2 --reps "$REPS" | result llama-q4_1-w2
+want w1 && llama --workload w1 --reps "$REPS" | result llama-q4_1-w1
 for q in Q8_0 F32; do
   g=$(ls "$PEERS_DIR"/*"$q"*.gguf 2>/dev/null | head -1)
-  [ -n "$g" ] && llama --workload w2 --gguf "$g" --reps "$REPS" | result "llama-$q-w2"
+  want w2 && [ -n "$g" ] && llama --workload w2 --gguf "$g" --reps "$REPS" | result "llama-$q-w2"
 done
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
-(cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w1 --reps "$REPS") | result vllm-w1
-(cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w2 --reps "$REPS") | result vllm-w2
+want w1 && (cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w1 --reps "$REPS") | result vllm-w1
+want w2 && (cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w2 --reps "$REPS") | result vllm-w2
 (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" limits.py) > "$OUT/limits.json"  # plain JSON, no RESULT line
 echo "results in $OUT"
