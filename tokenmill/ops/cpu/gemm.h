@@ -434,9 +434,12 @@ static void gemv(int64_t K, const float* x, const Weights& B, float* y, int64_t 
     }
 }
 
-// Each strip is prefetched this many bytes ahead of its reads (16 rows of float32 strips, 64 of int8,
-// 128 of 4-bit codes): at 16 rows, as for float32, 8-bit decode steps ran 5-7% slower (W2 int8) and 30
-// layers of int8 GEMVs 10-14% slower, their streams too short to hide DRAM's latency.
+// Each 8- or 4-bit strip is prefetched this many bytes ahead of its reads (64 rows of int8, 128 of 4-bit
+// codes): at 16 rows, 8-bit decode steps ran 5-7% slower (W2 int8) and 30 layers of int8 GEMVs 10-14%
+// slower, their streams too short to hide DRAM's latency. Float32 strips are not prefetched in software:
+// their rows are 4x the bytes, which the hardware's prefetchers follow alone, and the prefetches only
+// took load slots (SmolLM2's float32 decode step, Zen 4, 12 alternating rounds: 21.3 ms median with
+// them, 20.8 without, 11 rounds of 12 faster; int8 and 4-bit showed no difference either way).
 constexpr int64_t kGemvPrefetchBytes = 2048;
 
 // gemv for B stored in strips (n0, n1 whole strips): each strip is one contiguous stream. S strips
@@ -458,9 +461,10 @@ static void gemv_strips(int64_t K, const float* x, const Weights& B, float* y, i
       const float* scale = kind == Kind::kFloat32 ? nullptr : B.scale + (k0 / window) * B.N + n;
       const float* offset = kind == Kind::kUint4 ? B.offset + (k0 / window) * B.N + n : nullptr;
       for (int64_t k = k0; k < k0 + window; ++k) {
-        for (int s = 0; s < S; ++s)
-          for (int64_t line = 0; line < row_bytes; line += 64)
-            __builtin_prefetch(strip[s] + (k + kAheadRows) * row_bytes + line, 0, 3);
+        if constexpr (kind != Kind::kFloat32)
+          for (int s = 0; s < S; ++s)
+            for (int64_t line = 0; line < row_bytes; line += 64)
+              __builtin_prefetch(strip[s] + (k + kAheadRows) * row_bytes + line, 0, 3);
         vf b[S][kV];
         for (int s = 0; s < S; ++s) {
           if constexpr (kind == Kind::kUint4) {  // code * scale + offset, as pack_b decodes them
