@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,20 +103,21 @@ def load_model(path: str | None, dtype=np.float32, *, tokenizer: bool = True,
     if keep_gguf_blocks and kind == "hf":
         raise ModelLoadError(f"--quantization gguf keeps the blocks of a GGUF file; {path} is an HF checkpoint "
                              "(quantize it at load time with int8, fp8_e4m3, fp8_e5m2, w8a16 or w8a16_int)")
-    tok, chat_template = None, None
-    # cheap checks first (config, tokenizer), the weights last
+    # the config first; the tokenizer (mostly importing transformers, Python under the GIL) is built
+    # on a thread while the weights load (mostly numpy, which releases it); its errors come out after
     if kind == "hf":
         config = load_hf_config(path)
-        if tokenizer:
-            tok, chat_template = hf_tokenizer(path)
-        params = load_hf_params(path, config, dtype)
+        with ThreadPoolExecutor(1) as pool:
+            tok = pool.submit(hf_tokenizer, path) if tokenizer else None
+            params = load_hf_params(path, config, dtype)
     else:
         gf = open_gguf(path)
         config = load_gguf_config(gf)
-        if tokenizer:
-            tok, chat_template = gguf_tokenizer(path, gf.metadata)
-        if keep_gguf_blocks:
-            params, config = load_gguf_blocks(gf, config, dtype)
-        else:
-            params = load_gguf_params(gf, config, dtype)
+        with ThreadPoolExecutor(1) as pool:
+            tok = pool.submit(gguf_tokenizer, path, gf.metadata) if tokenizer else None
+            if keep_gguf_blocks:
+                params, config = load_gguf_blocks(gf, config, dtype)
+            else:
+                params = load_gguf_params(gf, config, dtype)
+    tok, chat_template = tok.result() if tok is not None else (None, None)
     return LoadedModel(config=config, params=params, tokenizer=tok, chat_template=chat_template, source=path)
