@@ -108,16 +108,16 @@ def load_model(path: str | None, dtype=np.float32, *, tokenizer: bool = True,
     if kind == "hf":
         config = load_hf_config(path)
         with ThreadPoolExecutor(1) as pool:
-            tok = pool.submit(hf_tokenizer, path) if tokenizer else None
+            tokenizing = pool.submit(hf_tokenizer, path) if tokenizer else None
             params = load_hf_params(path, config, dtype)
     else:
         gf = open_gguf(path)
         config = load_gguf_config(gf)
         with ThreadPoolExecutor(1) as pool:
-            tok = pool.submit(gguf_tokenizer, path, gf.metadata) if tokenizer else None
+            tokenizing = pool.submit(gguf_tokenizer, path, gf.metadata) if tokenizer else None
             if keep_gguf_blocks:
                 params, config = load_gguf_blocks(gf, config, dtype)
             else:
                 params = load_gguf_params(gf, config, dtype)
-    tok, chat_template = tok.result() if tok is not None else (None, None)
+    tok, chat_template = tokenizing.result() if tokenizing is not None else (None, None)
     return LoadedModel(config=config, params=params, tokenizer=tok, chat_template=chat_template, source=path)
