@@ -14,7 +14,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 
 _SCRIPT = textwrap.dedent(
     """
@@ -51,12 +50,11 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_kernel_libraries_share_one_set_of_helpers():
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core: the kernels start no helpers")
     script = _SCRIPT.format(tests=str(Path(__file__).resolve().parent))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("THREADS"))
     start, after_gemv, before_attention, end = map(int, line.split()[1:])
-    assert after_gemv > start  # the linear kernel started its helpers
+    if (os.cpu_count() or 1) > 1:  # (one core: XLA's pool has one thread, and no kernel starts helpers)
+        assert after_gemv > start  # the linear kernel started its helpers
     assert end == before_attention  # the attention kernel found them running: no threads of its own
