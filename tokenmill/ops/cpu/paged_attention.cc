@@ -457,9 +457,6 @@ static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, cons
   return vis;
 }
 
-// One chunk's step of the online softmax for one row of scores s[0 : padded) (padded a multiple of W,
-// masked scores -inf, at least one not): s becomes exp(s - m'), for m' the new running max, and the
-// running sum l and the accumulated P . V acc[0 : D) are rescaled to m'.
 // l * alpha + h, the online softmax's running sum, rounded once where the target has FMA: spelled out,
 // so that softmax_step and softmax_step_lanes round it alike (a scalar a * b + c is the compiler's to
 // fuse or not, place by place)
@@ -471,6 +468,9 @@ TM_INLINE float rescaled_sum(float l, float alpha, float h) {
 #endif
 }
 
+// One chunk's step of the online softmax for one row of scores s[0 : padded) (padded a multiple of W,
+// masked scores -inf, at least one not): s becomes exp(s - m'), for m' the new running max, and the
+// running sum l and the accumulated P . V acc[0 : D) are rescaled to m'.
 template <int W>
 TM_INLINE void softmax_step(float* s, int padded, float& m, float& l, float* acc, int64_t D) {
   using V = typename Vec<W>::type;
