@@ -251,6 +251,67 @@ struct RowTiles {
   int rows(int64_t t) const { return int(start(t + 1) - start(t)); }
 };
 
+// tile[k * kMR + i] = A[i * K + k] for i < m, k < kc: m rows of A (leading dimension K) k-major.
+// Transposed kVW x kVW in registers where the ISA's shuffles allow: element by element, the strided
+// stores made packing a prefill's A 4% of its time (SmolLM2, 2048 rows, Zen 4).
+static void pack_tile(int64_t m, int64_t kc, const float* A, int64_t K, float* tile) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  static_assert(kMR <= 16, "a tile's rows fit one 16-lane vector");
+  const __mmask16 rows_mask = __mmask16((1u << kMR) - 1);
+  for (; k + 16 <= kc; k += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < m ? _mm512_loadu_ps(A + i * K + k) : _mm512_setzero_ps();
+    // r[i] row i → t[2j], t[2j + 1]: rows 2j, 2j + 1 interleaved, per 128-bit lane
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // → r[4q + c]: in 128-bit lane L, rows 4q..4q+3 of column 4L + c
+    for (int q = 0; q < 16; q += 4)
+      for (int c = 0; c < 2; ++c) {
+        const __m512d lo = _mm512_castps_pd(t[q + c]), hi = _mm512_castps_pd(t[q + c + 2]);
+        r[q + 2 * c] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+        r[q + 2 * c + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+      }
+    // → column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c] (a 4 x 4 transpose of lanes)
+    for (int c = 0; c < 4; ++c) {
+      const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+      const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+      const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+      _mm512_mask_storeu_ps(tile + (k + c) * kMR, rows_mask, _mm512_shuffle_f32x4(v0, v2, 0x88));
+      _mm512_mask_storeu_ps(tile + (k + 4 + c) * kMR, rows_mask, _mm512_shuffle_f32x4(v1, v3, 0x88));
+      _mm512_mask_storeu_ps(tile + (k + 8 + c) * kMR, rows_mask, _mm512_shuffle_f32x4(v0, v2, 0xdd));
+      _mm512_mask_storeu_ps(tile + (k + 12 + c) * kMR, rows_mask, _mm512_shuffle_f32x4(v1, v3, 0xdd));
+    }
+  }
+#elif defined(__AVX2__)
+  static_assert(kMR <= 8, "a tile's rows fit one 8-lane vector");
+  const __m256i rows_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(kMR), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (; k + 8 <= kc; k += 8) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = i < m ? _mm256_loadu_ps(A + i * K + k) : _mm256_setzero_ps();
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // → r[4q + c]: in 128-bit lane L, rows 4q..4q+3 of column 4L + c
+    for (int q = 0; q < 8; q += 4) {
+      r[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+      r[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xee);
+      r[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+      r[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xee);
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm256_maskstore_ps(tile + (k + c) * kMR, rows_mask, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+      _mm256_maskstore_ps(tile + (k + 4 + c) * kMR, rows_mask, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+    }
+  }
+#endif
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t kk = k; kk < kc; ++kk) tile[kk * kMR + i] = A[i * K + kk];
+}
+
 // A[M, K] (row-major) → for each panel of columns k0 (panel_depth(K) of them) and each row tile t
 // (RowTiles), a kc x kMR k-major tile at PA + k0 * count * kMR + t * kc * kMR; tiles [t_begin, t_end)
 // only (t_end < 0: all; the others are left as they are)
@@ -261,14 +322,8 @@ static void pack_a(int64_t M, int64_t K, const float* A, float* PA, int64_t t_be
   if (t_end < 0) t_end = tiles.count;
   for (int64_t k0 = 0; k0 < K; k0 += depth) {
     const int64_t kc = std::min(depth, K - k0);
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      float* tile = PA + k0 * m_pad + t * kc * kMR;
-      const int64_t m0 = tiles.start(t), m = tiles.rows(t);
-      for (int64_t i = 0; i < m; ++i) {
-        const float* row = A + (m0 + i) * K + k0;
-        for (int64_t k = 0; k < kc; ++k) tile[k * kMR + i] = row[k];
-      }
-    }
+    for (int64_t t = t_begin; t < t_end; ++t)
+      pack_tile(tiles.rows(t), kc, A + tiles.start(t) * K + k0, K, PA + k0 * m_pad + t * kc * kMR);
   }
 }
 
