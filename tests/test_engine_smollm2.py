@@ -98,3 +98,19 @@ def test_stop_strings_and_seeded_samples(llm):
     second = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
     assert [o.text for o in first.outputs] == [o.text for o in second.outputs]
     assert len({o.text for o in first.outputs}) > 1
+
+
+def test_last_layer_for_sampled_rows_only_changes_no_logprob(llm):
+    """A step that only samples runs the last layer past its KV write for each request's last row; one
+    where a request wants its prompt's logprobs runs it for every row. The sampled tokens' logprobs
+    must be the same bits either way (in a batch with chunked, decoding and prefilling requests)."""
+    prompts = PROMPTS[:6]
+    params = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    llm.engine.reset_prefix_cache()
+    sampled_rows_only = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    llm.engine.reset_prefix_cache()
+    every_row = llm.generate(prompts, SamplingParams(**params, prompt_logprobs=1), use_tqdm=False)
+    assert all(o.prompt_logprobs for o in every_row)
+    for a, b in zip(sampled_rows_only, every_row):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tokenmill.config import ModelConfig
 from tokenmill.model import llama
 from tokenmill.ops.activations import gated_mlp
-from tokenmill.ops.attention import AttentionMetadata
+from tokenmill.ops.attention import AttentionMetadata, OutputRows
 from tokenmill.ops.norms import rms_norm
 from tokenmill.ops.rotary import inv_frequencies
 
@@ -31,9 +31,10 @@ def to_kernel_layout(params: dict, mesh, int16: bool = False) -> dict:
 
 def forward(
     params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
-    md: AttentionMetadata,
+    md: AttentionMetadata, out_rows: OutputRows | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Run the batch; returns (final hidden states [T, D] after the last norm, k_cache, v_cache)."""
+    """Run the batch; returns (final hidden states [T, D] after the last norm, k_cache, v_cache), as
+    llama.forward (every layer runs for every row here: out_rows only picks the rows returned)."""
     sliding = np.asarray(cfg.sliding_layers())
     inv_global = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     inv_local = inv_frequencies(cfg.head_dim, cfg.rope_local_theta)
@@ -60,6 +61,8 @@ def forward(
 
     carry = (x, k_cache, v_cache, jnp.int32(0))
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, carry, (params["layers"], per_layer))
+    if out_rows is not None:
+        x = x[out_rows.index]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k_cache, v_cache
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
-from tokenmill.ops.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.ops.attention import AttentionMetadata, OutputRows, paged_attention, select_rows, write_kv
 from tokenmill.ops.cpu.linear import STRIP, to_strips
 from tokenmill.ops.linear import in_features, kernel_layout, kernel_runs, linear, takes_strips
 from tokenmill.ops.moe import fused_moe, strips_suit
@@ -161,10 +161,14 @@ def projections(cfg: ModelConfig, stacked: dict, layer, rows=None):
     return project
 
 
-def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, inv_freq, scale, window, project=None):
+def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, inv_freq, scale, window, project=None,
+                    out_rows: OutputRows | None = None, project_out=None):
     """Shared by the Llama-family and Gemma 3 layers: projections, q/k norm, RoPE, cache write, attention.
-    `project(x, *names)` multiplies by projections (default: the layer's own `w[name]`)."""
+    `project(x, *names)` multiplies by projections (default: the layer's own `w[name]`). With
+    `out_rows`, every row's K/V is written but only those rows attend and are projected out (by
+    `project_out`, default `project`): the output is theirs, in out_rows.index order."""
     project = project or (lambda h, *names: tuple(h @ w[name] for name in names))
+    project_out = project_out or project
     T = x.shape[0]
     q, k, v = project(x, "wq", "wk", "wv")
     if cfg.attention_bias:
@@ -178,8 +182,10 @@ def attention_block(cfg: ModelConfig, w: dict, x, k_cache, v_cache, layer, md, i
     q = apply_rotary(q, md.positions, inv_freq)
     k = apply_rotary(k, md.positions, inv_freq)
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+    if out_rows is not None:
+        q, md = q[out_rows.index], select_rows(md, out_rows)
     o = paged_attention(q, k_cache, v_cache, layer, md, scale=scale, sliding_window=window, sinks=w.get("sinks"))
-    (o,) = project(o.reshape(T, -1), "wo")
+    (o,) = project_out(o.reshape(T, -1), "wo")
     if cfg.o_proj_bias:
         o = o + w["bo"]
     return o, k_cache, v_cache
@@ -217,9 +223,12 @@ def layer_windows(cfg: ModelConfig) -> tuple[int | None, jax.Array | None]:
 
 def forward(
     params: dict, cfg: ModelConfig, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
-    md: AttentionMetadata,
+    md: AttentionMetadata, out_rows: OutputRows | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Run the batch; returns (final hidden states [T, D] after the last norm, k_cache, v_cache)."""
+    """Run the batch; returns (final hidden states [T, D] after the last norm, k_cache, v_cache): of
+    every row, or with `out_rows` of rows out_rows.index (past out_rows.count: padding), whose last
+    layer runs for those rows alone past its K/V write. Each row's state is the same bits either way:
+    the kernels compute rows independently."""
     inv_freq = jnp.asarray(inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
     # YaRN scales cos and sin, i.e. q and k: the scores by its square
     scale = cfg.head_dim**-0.5 * rope_attention_factor(cfg.rope_scaling_dict) ** 2
@@ -230,22 +239,34 @@ def forward(
                if k.removesuffix("_scale").removesuffix("_offset") in (*LINEAR_WEIGHTS, *FUSED)}
     per_layer = {k: v for k, v in params["layers"].items() if k not in stacked}
 
-    def layer_fn(carry, xs):
-        x, k_cache, v_cache, layer = carry
-        w, layer_window = xs
+    def run_layer(x, k_cache, v_cache, layer, w, layer_window, out_rows=None):
         project = projections(cfg, stacked, layer, md.num_tokens)
+        project_out = None
+        if out_rows is not None:  # past the K/V, the output rows only
+            project_out = projections(cfg, stacked, layer, out_rows.count)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         attn, k_cache, v_cache = attention_block(
             cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window,
-            project,
+            project, out_rows, project_out,
         )
+        if out_rows is not None:
+            x, project = x[out_rows.index], project_out
         x = x + attn
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + feed_forward(cfg, w, h, project)
+        return x + feed_forward(cfg, w, h, project), k_cache, v_cache
+
+    def layer_fn(carry, xs):
+        x, k_cache, v_cache, layer = carry
+        x, k_cache, v_cache = run_layer(x, k_cache, v_cache, layer, *xs)
         return (x, k_cache, v_cache, layer + 1), None
 
+    layers = (per_layer, per_layer_window)
     carry = (x, k_cache, v_cache, jnp.int32(0))
-    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, carry, (per_layer, per_layer_window))
+    if out_rows is None:
+        (x, k_cache, v_cache, _), _ = jax.lax.scan(layer_fn, carry, layers)
+    else:  # the last layer out of the scan, for the output rows
+        (x, k_cache, v_cache, layer), _ = jax.lax.scan(layer_fn, carry, jax.tree.map(lambda a: a[:-1], layers))
+        x, k_cache, v_cache = run_layer(x, k_cache, v_cache, layer, *jax.tree.map(lambda a: a[-1], layers), out_rows)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k_cache, v_cache
 
 

@@ -38,6 +38,28 @@ class AttentionMetadata(NamedTuple):
     num_tokens: jax.Array | None = None
 
 
+class OutputRows(NamedTuple):
+    """The rows of a step whose final hidden states are wanted: index[:count] (the rest of `index` is
+    padding). A step that only samples wants one row per request, its last: `forward` then runs the
+    last layer past its KV write for these rows alone (a prefill of 16 x 128 tokens skips 94% of
+    that layer: 3% of the step)."""
+
+    index: jax.Array  # i32[T]
+    count: jax.Array  # i32[]
+
+
+def select_rows(md: AttentionMetadata, rows: OutputRows) -> AttentionMetadata:
+    """The metadata of the tokens rows.index[:count] (attention only: their K/V is written); the
+    padding past count attends to one key, like a bucket's padding tokens."""
+    real = jnp.arange(rows.index.shape[0]) < rows.count
+    return md._replace(
+        positions=jnp.where(real, md.positions[rows.index], 0),
+        slot_mapping=md.slot_mapping[rows.index],
+        token_request=jnp.where(real, md.token_request[rows.index], 0),
+        num_tokens=rows.count,
+    )
+
+
 def write_kv(
     k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

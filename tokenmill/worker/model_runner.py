@@ -28,7 +28,7 @@ from tokenmill.core.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed.mesh import make_mesh
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.registry import get_model_module
-from tokenmill.ops.attention import AttentionMetadata
+from tokenmill.ops.attention import AttentionMetadata, OutputRows
 from tokenmill.ops.cpu.lazy_zeros import zeros as lazy_zeros
 from tokenmill.ops.sampler import SamplerOutput, compute_prompt_logprobs, sample
 from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
@@ -161,11 +161,11 @@ class ModelRunner:
 
         cfg, module = self.cfg, self.module
 
-        def step(params, k_cache, v_cache, input_ids, md, logits_indices, prev_sampled, placeholder_src):
+        def step(params, k_cache, v_cache, input_ids, md, out_rows, logits_indices, prev_sampled, placeholder_src):
             # tokens still being sampled by the previous step come from its device output
             prev = jnp.take(prev_sampled, jnp.maximum(placeholder_src, 0))
             input_ids = jnp.where(placeholder_src >= 0, prev, input_ids)
-            hidden, k_cache, v_cache = module.forward(params, cfg, k_cache, v_cache, input_ids, md)
+            hidden, k_cache, v_cache = module.forward(params, cfg, k_cache, v_cache, input_ids, md, out_rows)
             logits = module.compute_logits(params, cfg, hidden[logits_indices])
             return logits, hidden, k_cache, v_cache
 
@@ -286,7 +286,8 @@ class ModelRunner:
             block_tables=np.zeros((rows, width), np.int32),
             num_tokens=np.int32(num_tokens),
         )
-        return (np.zeros(num_tokens, np.int32), md, np.zeros(rows, np.int32), self._no_prev_sampled,
+        out_rows = OutputRows(np.zeros(num_tokens, np.int32), np.int32(0))
+        return (np.zeros(num_tokens, np.int32), md, out_rows, np.zeros(rows, np.int32), self._no_prev_sampled,
                 np.full(num_tokens, -1, np.int32))
 
     # ---- one step ----------------------------------------------------------------------------
@@ -367,10 +368,19 @@ class ModelRunner:
             block_tables=_padded(b.block_table[rows, :width], num_rows),
             num_tokens=np.int32(total),
         )
-        logits_indices = _padded(np.cumsum(counts) - 1, num_rows)
+        # the final hidden states the step needs: each request's last row (its logits), or every
+        # row when a request wants its prompt's logprobs
+        last_rows = np.cumsum(counts) - 1
+        prompt_lp_targets, prompt_lp_wanted = self._plan_prompt_logprobs(req_ids, rows, starts, counts, num_tokens)
+        if prompt_lp_wanted:
+            out_rows = OutputRows(np.arange(num_tokens, dtype=np.int32), np.int32(total))
+            logits_indices = _padded(last_rows, num_rows)
+        else:
+            out_rows = OutputRows(_padded(last_rows, num_tokens), np.int32(len(req_ids)))
+            logits_indices = np.arange(num_rows, dtype=np.int32)
         step = self._executable(num_tokens, width)
         logits, hidden, self.k_cache, self.v_cache = step(
-            self.params, self.k_cache, self.v_cache, _padded(input_ids, num_tokens), md, logits_indices,
+            self.params, self.k_cache, self.v_cache, _padded(input_ids, num_tokens), md, out_rows, logits_indices,
             prev_sampled, placeholder_src,
         )
 
@@ -389,7 +399,7 @@ class ModelRunner:
             eos_token_ids=self.cfg.eos_token_ids,
         )
         sampler_out, sampled_padded = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
-        prompt_lp = self._prompt_logprobs_for(req_ids, rows, starts, counts, hidden, num_tokens)
+        prompt_lp = self._prompt_logprobs_for(hidden, prompt_lp_targets, prompt_lp_wanted)
         b.num_computed[rows] = ends
         b.num_pending[rows[samples]] += 1
         handle = StepInFlight(
@@ -428,9 +438,9 @@ class ModelRunner:
             self._last_launched = None
         return result
 
-    def _prompt_logprobs_for(self, req_ids, rows, starts, counts, hidden, num_tokens) -> dict:
-        """Dispatch the logprobs of the prompt tokens computed this step, for requests that asked:
-        request id → (device arrays, first row, number of positions, top-N)."""
+    def _plan_prompt_logprobs(self, req_ids, rows, starts, counts, num_tokens) -> tuple[np.ndarray, dict]:
+        """The prompt tokens whose logprobs this step computes, for requests that asked: (the target
+        token of each row [num_tokens], request id → (first row, number of positions, top-N))."""
         b = self.batch
         wanted = {}
         offset = 0
@@ -445,6 +455,11 @@ class ModelRunner:
                 targets[offset : offset + n] = b.token_ids[row, start + 1 : last + 1]
                 wanted[req_id] = (offset, n, p.prompt_logprobs)
             offset += count
+        return targets, wanted
+
+    def _prompt_logprobs_for(self, hidden, targets: np.ndarray, wanted: dict) -> dict:
+        """Dispatch the planned prompt logprobs: request id → (device arrays, first row, number of
+        positions, top-N)."""
         if not wanted:
             return {}
         k = round_num_logprobs(max(w[2] for w in wanted.values()))
