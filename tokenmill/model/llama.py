@@ -241,19 +241,16 @@ def forward(
 
     def run_layer(x, k_cache, v_cache, layer, w, layer_window, out_rows=None):
         project = projections(cfg, stacked, layer, md.num_tokens)
-        project_out = None
-        if out_rows is not None:  # past the K/V, the output rows only
-            project_out = projections(cfg, stacked, layer, out_rows.count)
+        # past the K/V, the output rows only
+        project_out = project if out_rows is None else projections(cfg, stacked, layer, out_rows.count)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         attn, k_cache, v_cache = attention_block(
             cfg, w, h, k_cache, v_cache, layer, md, inv_freq, scale, window if layer_window is None else layer_window,
             project, out_rows, project_out,
         )
-        if out_rows is not None:
-            x, project = x[out_rows.index], project_out
-        x = x + attn
+        x = x + attn if out_rows is None else x[out_rows.index] + attn
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        return x + feed_forward(cfg, w, h, project), k_cache, v_cache
+        return x + feed_forward(cfg, w, h, project_out), k_cache, v_cache
 
     def layer_fn(carry, xs):
         x, k_cache, v_cache, layer = carry
