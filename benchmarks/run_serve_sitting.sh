@@ -5,13 +5,15 @@
 # Prefix caching is off on both servers so no level reuses another level's prompts.
 # Usage: benchmarks/run_serve_sitting.sh [OUT_DIR]     (results: one JSON (+PNG) per server and level)
 # ENGINES="tokenmill vllm offline" (the default) picks the parts to run; tokenmill-w8a16 serves
-# tokenmill with --quantization w8a16.
+# tokenmill with --quantization w8a16. REPEATS=N runs each level N times (the same prompts each time), to show
+# how far a figure moves between runs.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_results/serve-$(date +%Y%m%d-%H%M)}
 export PEERS_DIR=${PEERS_DIR:-$HOME/.cache/tokenmill-peers}
 PORT=${PORT:-8101}
 LEVELS=${LEVELS:-"1 8 32 64"}
+REPEATS=${REPEATS:-1}  # runs per level against the same server (files -c<level>-r<i> when more than one)
 ENGINES=${ENGINES:-"tokenmill vllm offline"}
 wants() { [[ " $ENGINES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
@@ -28,9 +30,13 @@ wait_ready() {  # $1: pid of the server; polls /health for up to 15 minutes
 bench_levels() {  # $1: engine name
   for c in $LEVELS; do
     n=$(( c < 4 ? 8 : 2 * c ))
-    .venv/bin/tokenmill bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" \
-      --input-len 128 --output-len 128 --max-concurrency "$c" --seed $(( 1000 + c )) --no-progress \
-      --output-json "$OUT/$1-c$c.json" > "$OUT/$1-c$c.log" 2>&1
+    for r in $(seq "$REPEATS"); do
+      local run="$1-c$c"
+      [ "$REPEATS" -gt 1 ] && run="$run-r$r"
+      .venv/bin/tokenmill bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" \
+        --input-len 128 --output-len 128 --max-concurrency "$c" --seed $(( 1000 + c )) --no-progress \
+        --output-json "$OUT/$run.json" > "$OUT/$run.log" 2>&1
+    done
   done
 }
 
