@@ -78,6 +78,31 @@ def test_scheduling_does_not_change_greedy_output(tiny_model):
             assert engine.engine.get_stats().prefix_cache_hits > 0
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_speculative_decoding_keeps_every_output(tiny_model, llm):
+    """Greedy requests verify n-gram proposals; their output, and that of the sampled requests
+    beside them, is what plain decoding gives, however the steps are cut."""
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)
+    stopping = SamplingParams(temperature=0, max_tokens=24, min_tokens=3, stop_token_ids=[77, 200])
+    params = [GREEDY, sampled, GREEDY, stopping, GREEDY, GREEDY]
+    reference = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    configs = {
+        "batched": ENGINE,
+        "tiny token budget (chunked prefill)": {**ENGINE, "max_num_batched_tokens": 16},
+        "one step at a time": {**ENGINE, "async_scheduling": False},
+        "KV cache small enough to preempt": {**ENGINE, "num_blocks": 20},
+    }
+    for name, kwargs in configs.items():
+        engine = LLM(tiny_model, **kwargs, speculative_config=NGRAM)
+        assert token_ids(engine.generate(PROMPTS, params, use_tqdm=False)) == reference, name
+        stats = engine.engine.get_stats()
+        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens, name
+        if "preempt" in name:
+            assert stats.num_preemptions > 0
+
+
 def test_stop_strings_cut_the_text(llm):
     text = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].text
     words = text.split()
@@ -132,6 +157,10 @@ def test_bad_input_is_refused_with_a_clear_error(llm, tmp_path):
         SamplingParams(temperature=-1)
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(str(tmp_path), max_num_seqz=3)
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        LLM(str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        LLM(str(tmp_path), speculative_config='{"method": "eagle"}')
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "missing"))
     # nothing was queued by the refused calls: the engine still serves

@@ -130,6 +130,26 @@ def test_generate_streams_deltas_equal_to_offline_llm(engine, loop, tiny_dir):
     assert tokens == ref.token_ids and text == ref.text
 
 
+def test_speculative_decoding_streams_what_the_offline_llm_gives(tiny_dir, skip_precompile, loop):
+    """The engine core process verifies n-gram proposals (several tokens a step, streamed as one
+    delta); the stream equals plain offline decoding."""
+    from tokenmill import LLM
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    prompt = [9] * 8  # the tiny model's output repeats a token at first
+    ref = LLM(tiny_dir, **TINY_ARGS).generate([prompt], _greedy(40), use_tqdm=False)[0].outputs[0]
+    spec = AsyncLLM.from_engine_args(tiny_dir, **TINY_ARGS, speculative_config={"prompt_lookup_min": 1})
+    try:
+        outs = loop.run_until_complete(_collect(spec, prompt, _greedy(40), "spec"))
+        stats = loop.run_until_complete(spec.get_stats())
+    finally:
+        spec.shutdown()
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ref.token_ids
+    assert "".join(o.outputs[0].text for o in outs) == ref.text
+    assert 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert len(outs) < 40  # some steps delivered several tokens
+
+
 def test_cancelled_generation_is_aborted_in_the_core(engine, loop):
     async def scenario():
         before = (await engine.get_stats())["num_aborted_requests"]
@@ -308,6 +328,12 @@ def test_serve_nonexistent_model_exits_with_one_clear_line():
     assert "Traceback" not in result.stderr
     (line,) = _error_lines(result.stderr)
     assert "/nonexistent" in line and "does not exist" in line
+
+
+def test_serve_bad_speculative_config_exits_with_one_clear_line():
+    result = _serve(["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 5}'], timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "speculative_config.prompt_lookup_min (5) exceeds prompt_lookup_max (4)" in result.stderr.splitlines()[-1]
 
 
 def test_serve_engine_that_cannot_start_exits_with_one_clear_line(tiny_dir):

@@ -63,6 +63,8 @@ def test_alone_equals_inside_a_batch_of_64_and_warm_prefix_hits(llm, alone):
         ("tiny token budget: chunked prefill", {"max_num_batched_tokens": 32}),
         ("KV cache small enough to preempt", {"num_blocks": 40}),
         ("one step at a time (no async scheduling)", {"async_scheduling": False}),
+        ("speculative decoding (n-gram proposals verified)",
+         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}}),
     ],
 )
 def test_scheduling_does_not_change_greedy_output(smollm2, alone, name, overrides):
@@ -74,6 +76,8 @@ def test_scheduling_does_not_change_greedy_output(smollm2, alone, name, override
         assert by_index[i] == expected[i], f"{name}: prompt {i}"
     if "preempt" in name:
         assert engine.engine.get_stats().num_preemptions > 0
+    if "speculative" in name:
+        assert engine.engine.get_stats().num_accepted_tokens > 0
 
 
 def test_chat_uses_the_gguf_chat_template(llm, smollm2_path):

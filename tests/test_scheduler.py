@@ -1,9 +1,11 @@
-"""Scheduler: token budget, chunked prefill, preemption, prefix caching, finishing — with a fake runner.
+"""Scheduler: token budget, chunked prefill, preemption, prefix caching, finishing, speculative
+decoding — with a fake runner.
 
 The fake runner keeps its own persistent batch, as the real one does, and a fake KV cache: every
 slot written holds a key of the whole prefix up to its position. Before sampling, it checks that
 every position of the request's context reads back the right key through the block table, so any
-block mix-up (a wrong prefix hit, a block freed while in use, a lost block id) fails the test.
+block mix-up (a wrong prefix hit, a block freed while in use, a lost block id, a rejected
+proposal's slot taken as computed) fails the test.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import RequestUpdate, Scheduler
 from tokenmill.core.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -38,7 +40,14 @@ class _Row:
         self.blocks = list(block_ids)
         self.keys: list[int] = []
 
-    def key(self, pos: int) -> int:
+    def key(self, pos: int, drafts=()) -> int:
+        """The key of the prefix up to `pos`, of the known tokens followed by `drafts`."""
+        n = len(self.tokens)
+        if pos >= n:
+            k = self.key(n - 1)
+            for t in drafts[: pos - n + 1]:
+                k = hash((k, t))
+            return k
         while len(self.keys) <= pos:
             i = len(self.keys)
             self.keys.append(hash((self.keys[-1] if self.keys else -1, self.tokens[i])))
@@ -74,34 +83,47 @@ class FakeRunner:
         spans = {}
         for rid, n in so.num_scheduled_tokens.items():
             row = self.rows[rid]
+            drafts = so.spec_token_ids.get(rid, [])
             start, end = row.computed, row.computed + n
-            assert n > 0 and end <= len(row.tokens), (rid, start, n, len(row.tokens))
+            assert n > 0 and end <= len(row.tokens) + len(drafts), (rid, start, n, len(row.tokens))
+            assert not drafts or end == len(row.tokens) + len(drafts), "proposals follow the last known token"
             assert end <= len(row.blocks) * self.bs, "scheduled tokens beyond the allocated blocks"
             for pos in range(start, end):
-                self.kv[self.slot(row, pos)] = row.key(pos)
+                self.kv[self.slot(row, pos)] = row.key(pos, drafts)
             row.computed = end
             spans[rid] = (start, end)
         for rid, (start, end) in spans.items():
             row = self.rows[rid]
+            drafts = so.spec_token_ids.get(rid, [])
             for pos in range(end):
-                assert self.kv.get(self.slot(row, pos)) == row.key(pos), f"{rid}: bad KV at position {pos}"
+                assert self.kv.get(self.slot(row, pos)) == row.key(pos, drafts), f"{rid}: bad KV at position {pos}"
             if self.prompt_logprobs and start < row.num_prompt - 1:
                 last = min(end, row.num_prompt - 1)
                 out.prompt_logprobs[rid] = [Logprobs([row.tokens[p + 1]], [0.0], 1) for p in range(start, last)]
-            if end == len(row.tokens):
-                tok = self.token_fn(rid, row.tokens)
-                row.tokens.append(tok)
-                out.sampled_token_ids[rid] = tok
+            if end == len(row.tokens) + len(drafts):
+                # the model's picks, kept while each equals its proposal (greedy verification)
+                toks = [self.token_fn(rid, row.tokens)]
+                for proposed in drafts:
+                    if toks[-1] != proposed:
+                        break
+                    toks.append(self.token_fn(rid, row.tokens + toks))
+                row.computed -= len(drafts) - (len(toks) - 1)
+                row.tokens += toks
+                out.sampled_token_ids[rid] = toks[0]
+                if len(toks) > 1:
+                    out.spec_token_ids[rid] = toks[1:]
         return out
 
 
-def make_sched(num_blocks=64, block_size=4, budget=32, seqs=8, max_model_len=256, caching=True, policy="fcfs"):
+def make_sched(num_blocks=64, block_size=4, budget=32, seqs=8, max_model_len=256, caching=True, policy="fcfs",
+               spec: SpeculativeConfig | None = None):
     return Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=seqs, max_num_batched_tokens=budget),
         CacheConfig(block_size=block_size),
         num_blocks,
         enable_prefix_caching=caching,
         policy=policy,
+        speculative_config=spec,
     )
 
 
@@ -123,6 +145,8 @@ def make_req(rid, prompt, max_tokens=8, eos=(), priority=0, **sp) -> Request:
 def check_step(sched: Scheduler, so: SchedulerOutput, runner: FakeRunner | None = None) -> None:
     assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(so.num_scheduled_tokens) <= sched.max_num_seqs
+    # every request's last token and every proposal is a logits row: within max_num_seqs rows
+    assert len(so.num_scheduled_tokens) + sum(map(len, so.spec_token_ids.values())) <= sched.max_num_seqs
     assert len(sched.running) <= sched.max_num_seqs
     if runner is not None:
         assert len(runner.rows) <= sched.max_num_seqs
@@ -158,6 +182,7 @@ def run_all(sched: Scheduler, runner: FakeRunner, max_steps=10_000):
         for r in sched.running:  # the runner's view of each request matches the scheduler's
             if r.request_id in runner.rows:
                 assert runner.rows[r.request_id].tokens == r.all_token_ids
+                assert runner.rows[r.request_id].computed == r.num_computed_tokens
         sched.kv.check_consistency()
         steps += 1
         assert steps < max_steps
@@ -545,6 +570,72 @@ def test_stats():
     assert s.prefix_cache_queries == 20
 
 
+# ---- speculative decoding ---------------------------------------------------------------------------
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def loop_with_breaks(rid, toks):
+    """Repeats the token 4 back (n-gram proposals mostly right), except every 9th position."""
+    return next_token(toks) if len(toks) % 9 == 0 else toks[-4]
+
+
+def test_speculation_gives_the_same_outputs_and_rolls_back_rejected_proposals():
+    prompts = {f"r{i}": [i + 1, i + 2, i + 3, i + 4] * 3 + [i] * i for i in range(6)}
+    results = {}
+    for spec in (None, NGRAM):
+        sched = make_sched(budget=16, seqs=4, spec=spec)
+        for rid, p in prompts.items():
+            sched.add_request(make_req(rid, p, max_tokens=20 + len(p)))
+        results[spec is not None] = run_all(sched, FakeRunner(4, 64, token_fn=loop_with_breaks, max_rows=4))
+        stats = sched.get_stats()
+    (plain, plain_final, plain_steps), (spec_out, spec_final, spec_steps) = results[False], results[True]
+    assert spec_out == plain
+    assert {r: u.finish_reason for r, u in spec_final.items()} == {r: "length" for r in prompts}
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some proposals rejected (and rolled back)
+    assert spec_steps < plain_steps
+
+
+@pytest.mark.parametrize(
+    "script, kw, expected, reason",
+    [
+        ([3, 1, 2, 3, EOS, 2, 3, 1], {}, [3, 1, 2, 3, EOS], "stop"),  # EOS among verified tokens
+        ([3, 1, 2, 3, 1, 2, 3, 1], {"stop_token_ids": [2]}, [3, 1, 2], "stop"),
+        ([3, 1, 2, 3, 1, 2, 3, 1], {}, [3, 1, 2, 3, 1, 2, 3], "length"),  # max_tokens=7 mid-proposal
+    ],
+)
+def test_speculation_stops_where_plain_decoding_does(script, kw, expected, reason):
+    sched = make_sched(spec=NGRAM)
+    sched.add_request(make_req("a", [1, 2, 3, 1, 2], max_tokens=7, eos=(EOS,), **kw))
+    out, final, _ = run_all(sched, FakeRunner(4, 64, token_fn=lambda rid, toks: script[len(toks) - 5]))
+    assert out["a"] == expected and final["a"].finish_reason == reason
+    assert sched.get_stats().num_accepted_tokens > 0
+
+
+def test_speculation_stays_within_max_model_len_and_its_blocks():
+    """Proposals never reach past max_model_len, nor past the KV blocks add_request checked."""
+    sched = make_sched(num_blocks=4, max_model_len=12, spec=NGRAM)  # 3 usable blocks: 12 slots
+    sched.add_request(make_req("a", [7, 8, 7, 8], max_tokens=None))
+    out, final, _ = run_all(sched, FakeRunner(4, 4, token_fn=lambda rid, toks: toks[-2]))
+    assert out["a"] == [7, 8] * 4 and final["a"].finish_reason == "length"
+    assert sched.get_stats().num_accepted_tokens > 0
+
+
+def test_only_greedy_requests_without_logprobs_or_penalties_speculate():
+    sched = make_sched(spec=NGRAM)
+    kinds = {"greedy": {}, "sampled": {"temperature": 0.8}, "logprobs": {"logprobs": 2},
+             "penalised": {"presence_penalty": 0.5}}
+    for rid, kw in kinds.items():
+        params = {"temperature": 0.0, **kw}
+        sched.add_request(Request(rid, [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=8, **params)))
+    assert {rid: sched.requests[rid].speculates for rid in kinds} == {
+        "greedy": True, "sampled": False, "logprobs": False, "penalised": False}
+    runner = FakeRunner(4, 64, token_fn=lambda rid, toks: toks[-2])
+    step(sched, runner)
+    so, _ = step(sched, runner)
+    assert list(so.spec_token_ids) == ["greedy"]
+
+
 # ---- property: random events keep the pool consistent ----------------------------------------------
 
 MAX_LEN, NUM_BLOCKS, BS = 36, 10, 4  # 9 usable blocks: 36 slots, so preemption is frequent
@@ -553,9 +644,9 @@ MAX_LEN, NUM_BLOCKS, BS = 36, 10, 4  # 9 usable blocks: 36 slots, so preemption 
 class Driver:
     """Random adds, aborts and steps (in step, one step ahead, or with an abort while in flight)."""
 
-    def __init__(self, caching: bool, policy: str):
+    def __init__(self, caching: bool, policy: str, spec: SpeculativeConfig | None = None):
         self.sched = make_sched(num_blocks=NUM_BLOCKS, block_size=BS, budget=16, seqs=4,
-                                max_model_len=MAX_LEN, caching=caching, policy=policy)
+                                max_model_len=MAX_LEN, caching=caching, policy=policy, spec=spec)
         self.runner = FakeRunner(BS, NUM_BLOCKS, token_fn=lambda rid, toks: (sum(toks) + len(toks)) % 7, max_rows=4)
         self.serial = 0
         self.finished = 0
@@ -618,21 +709,23 @@ event = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(event, min_size=1, max_size=80), st.booleans(), st.sampled_from(["fcfs", "priority"]))
-def test_random_events_keep_the_pool_consistent(evts, caching, policy):
-    d = Driver(caching, policy)
+@given(st.lists(event, min_size=1, max_size=80), st.booleans(), st.sampled_from(["fcfs", "priority"]),
+       st.sampled_from([None, NGRAM]))
+def test_random_events_keep_the_pool_consistent(evts, caching, policy, spec):
+    d = Driver(caching, policy, spec)
     for ev in evts:
         d.apply(ev)
     d.drain()
 
 
-@pytest.mark.parametrize("caching, policy", [(True, "fcfs"), (False, "fcfs"), (True, "priority")])
-def test_long_random_run(caching, policy):
+@pytest.mark.parametrize("caching, policy, spec",
+                         [(True, "fcfs", None), (False, "fcfs", None), (True, "priority", None), (True, "fcfs", NGRAM)])
+def test_long_random_run(caching, policy, spec):
     """Thousands of events in one run: preemptions, aborts and finishes all happen."""
     import random
 
     rng = random.Random(1234)
-    d = Driver(caching, policy)
+    d = Driver(caching, policy, spec)
     for _ in range(3000):
         x = rng.random()
         if x < 0.3:
@@ -644,4 +737,6 @@ def test_long_random_run(caching, policy):
     assert d.sched.num_preemptions > 20 and d.finished > 100
     if caching:
         assert d.sched.kv.prefix_cache_hits > 0
+    if spec:
+        assert 0 < d.sched.num_accepted_tokens < d.sched.num_draft_tokens
     d.drain()

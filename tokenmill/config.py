@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,6 +242,56 @@ class ParallelConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): each step of a greedy request also
+    computes up to `num_speculative_tokens` proposed tokens and keeps those the model itself would
+    have picked, so one read of the weights can yield several tokens.
+
+    "ngram" (prompt lookup) proposes the tokens that followed the latest earlier occurrence of the
+    context's last n tokens, trying n from `prompt_lookup_max` down to `prompt_lookup_min`.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a config, a dict or a JSON object string (the CLI's `--speculative-config`)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path (HF directory or .gguf file); None = the embedded default
@@ -256,6 +307,7 @@ class EngineConfig:
     # quantized to 16-bit integers per window); or keep a GGUF file's Q8_0 / Q4_0 / Q4_1
     # blocks as they are: "gguf" (inputs float32) or "gguf_int" (inputs quantized to 16-bit integers)
     quantization: str | None = None
+    speculative_config: SpeculativeConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -271,7 +323,7 @@ class EngineConfig:
 
 
 _ENGINE_ARGS = {"dtype", "seed", "async_scheduling", "expert_quantization", "expert_quantization_window",
-                "quantization"}
+                "quantization", "speculative_config"}
 
 
 def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig, bool]:
@@ -291,5 +343,7 @@ def engine_config_from_kwargs(model: str | None, **kwargs) -> tuple[EngineConfig
     sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in parts["scheduler"]})
     parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parts["parallel"]})
     engine = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS}
+    if "speculative_config" in engine:
+        engine["speculative_config"] = SpeculativeConfig.from_value(engine["speculative_config"])
     config = EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel, **engine)
     return config, prefix_caching

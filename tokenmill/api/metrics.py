@@ -53,6 +53,10 @@ class _EngineCoreCollector:
             ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
             ("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
             ("tokenmill:num_aborted_requests", "Requests aborted in the engine core", "num_aborted_requests"),
+            ("tokenmill:spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens computed",
+             "num_draft_tokens"),
+            ("tokenmill:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted",
+             "num_accepted_tokens"),
         )
         for name, doc, key in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])

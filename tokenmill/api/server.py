@@ -278,6 +278,8 @@ async def serve(args) -> int:
         engine_args["distributed_executor_backend"] = args.distributed_executor_backend
         if args.quantization is not None:
             engine_args["quantization"] = args.quantization
+        if args.speculative_config is not None:
+            engine_args["speculative_config"] = args.speculative_config
         if args.expert_quantization is not None:
             engine_args.update(expert_quantization=args.expert_quantization,
                                expert_quantization_window=args.expert_quantization_window)

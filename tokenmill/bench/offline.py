@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -95,6 +96,8 @@ def run(args) -> dict:
                        distributed_executor_backend=args.distributed_executor_backend)
     if args.quantization is not None:
         engine_args["quantization"] = args.quantization
+    if args.speculative_config is not None:
+        engine_args["speculative_config"] = args.speculative_config
     if args.expert_quantization is not None:
         engine_args.update(expert_quantization=args.expert_quantization,
                            expert_quantization_window=args.expert_quantization_window)
@@ -123,6 +126,10 @@ def run(args) -> dict:
         precompiled_s=precompiled,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+    if args.speculative_config is not None:
+        stats = llm.engine.get_stats()
+        result.update(speculative_config=dataclasses.asdict(args.speculative_config),
+                      spec_num_draft_tokens=stats.num_draft_tokens, spec_num_accepted_tokens=stats.num_accepted_tokens)
     return _report(result, args.output_json)
 
 

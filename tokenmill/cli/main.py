@@ -38,9 +38,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
                    help="where the data-parallel engine cores run: local processes (mp) or Ray actors "
                         "anywhere in the cluster (ray)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding for greedy requests, vLLM\'s form: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                        "(each step also computes up to num_speculative_tokens tokens proposed by prompt lookup "
+                        "and keeps those the model agrees with)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["ray"],
                    help="run the model across hosts: one Ray worker per host (default: in this process; "
                         "also TOKENMILL_MULTIHOST_BACKEND=ray)")
+
+
+def _speculative_config(raw: str):
+    from tokenmill.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_value(raw)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _str_list(raw: str) -> list[str]:

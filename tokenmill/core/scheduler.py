@@ -11,6 +11,12 @@ tokens, and it goes back to the head of the waiting queue to be recomputed later
 `update_from_output()` only appends sampled tokens and checks for the end; so a next `schedule()`
 may run while a step is still in flight (one step ahead at most: `update_from_output` of step N
 must come before `schedule()` of step N+2).
+
+Speculative decoding: a decoding request that may speculate (`can_speculate`) is scheduled with
+its proposed tokens too, 1 + k tokens; `update_from_output` appends what the step verified and
+takes the rejected proposals back out of `num_computed_tokens` (their KV slots are overwritten
+later). Proposals need the request's latest tokens on the host, so the engine runs such requests'
+steps one at a time (no step in flight when `schedule()` proposes).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.ngram_proposer import can_speculate, propose_ngram
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.step_io import (
     CachedRequestData,
@@ -59,6 +66,8 @@ class SchedulerStats:
     prefix_cache_hit_rate: float
     num_preemptions: int  # total since start
     schedule_time_us: float  # host time of the last schedule()
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed and computed, since start
+    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
 
 
 class _WaitingQueue:
@@ -107,6 +116,7 @@ class Scheduler:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
+        speculative_config: SpeculativeConfig | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -125,6 +135,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.last_schedule_time_us = 0.0
+        self.speculative = speculative_config
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- requests in and out --------------------------------------------------------------------
 
@@ -154,6 +167,7 @@ class Scheduler:
                 f"{self.kv.num_usable_blocks}"
             )
         request.status = RequestStatus.WAITING
+        request.speculates = self.speculative is not None and can_speculate(request.sampling_params)
         self.requests[rid] = request
         self.waiting.add(request)
 
@@ -205,6 +219,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
+        num_drafts = 0  # every draft token takes a logits row: all rows stay within max_num_seqs
         preempted = False
 
         # 1. running requests, in order
@@ -215,6 +231,11 @@ class Scheduler:
             if n <= 0 or self._at_length_limit(req):  # its last token is being sampled already
                 i += 1
                 continue
+            drafts = []
+            if n == 1 and req.speculates and req.num_output_placeholders == 0:
+                room = self.max_num_seqs - len(self.running) - num_drafts
+                drafts = self._propose(req, min(budget - 1, room))
+                n += len(drafts)
             while True:
                 new_blocks = self.kv.allocate_slots(req, n)
                 if new_blocks is not None:
@@ -229,11 +250,15 @@ class Scheduler:
                 break
             num_scheduled[req.request_id] = n
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks))
+            if drafts:
+                req.spec_token_ids = drafts
+                spec_tokens[req.request_id] = drafts
+                num_drafts += len(drafts)
             budget -= n
             i += 1
 
         # 2. waiting requests (none in a step that preempted: the blocks are short)
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(self.running) + num_drafts < self.max_num_seqs:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
@@ -274,10 +299,21 @@ class Scheduler:
             cached_requests=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             finished_req_ids=self.finished_req_ids,
+            spec_token_ids=spec_tokens,
         )
         self.finished_req_ids = set()
         self.last_schedule_time_us = (time.perf_counter() - t0) * 1e6
         return out
+
+    def _propose(self, req: Request, max_drafts: int) -> list[int]:
+        """Proposed tokens for a decoding request: none past its max_tokens (the last token is
+        sampled, never computed) or max_model_len, at most `max_drafts`."""
+        spec = self.speculative
+        k = min(spec.num_speculative_tokens, max_drafts, req.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens)
+        if k <= 0:
+            return []
+        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _add_running(self, req: Request) -> None:
         if self.policy == "priority":  # keep the lowest priority at the tail: it is preempted first
@@ -320,9 +356,20 @@ class Scheduler:
             token = sampled.get(rid)
             if token is not None:
                 req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
-                req.append_output_token(token)
-                new_tokens.append(token)
-                status = self._check_stop(req)
+                accepted = runner_output.spec_token_ids.get(rid, [])
+                drafts = scheduler_output.spec_token_ids.get(rid)
+                if drafts:
+                    req.spec_token_ids = []
+                    self.num_draft_tokens += len(drafts)
+                    self.num_accepted_tokens += len(accepted)
+                    if req.status == RequestStatus.RUNNING:  # the rejected proposals' KV is not valid
+                        req.num_computed_tokens -= len(drafts) - len(accepted)
+                for token in (token, *accepted):
+                    req.append_output_token(token)
+                    new_tokens.append(token)
+                    status = self._check_stop(req)
+                    if status is not None:  # tokens verified past the end are dropped
+                        break
             prompt_lp = self._new_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
             finished = status is not None
             if finished:  # a request preempted while its step was in flight may finish too
@@ -378,4 +425,6 @@ class Scheduler:
             prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate,
             num_preemptions=self.num_preemptions,
             schedule_time_us=self.last_schedule_time_us,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -34,6 +34,9 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # request id → tokens to compute this step, in batch order
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted: drop them
+    # speculative decoding: request id → the proposed tokens scheduled after its last known token
+    # (they are among its num_scheduled_tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -52,6 +55,10 @@ class Logprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests whose known tokens were all computed this step
+    # speculative decoding: more tokens after the sampled one, one per accepted proposal. The
+    # sampled token and these are the model's own picks at the scheduled positions, up to and
+    # including the first that differs from its proposal; absent when none was accepted
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # prompt logprobs of the positions computed this step (a chunk of a long prompt at a time)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)

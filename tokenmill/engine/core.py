@@ -116,7 +116,10 @@ class EngineCore:
         if not on_ray:  # the Ray workers have built and compiled theirs
             self.runner = ModelRunner(self.model, sched, config.cache, num_blocks, config.dtype, mesh=mesh)
             self.runner.precompile(background=True)  # the engine serves while the other shapes compile
-        self.scheduler = Scheduler(sched, config.cache, num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(sched, config.cache, num_blocks, enable_prefix_caching=enable_prefix_caching,
+                                   speculative_config=config.speculative_config)
+        if config.speculative_config is not None:
+            logger.info("speculative decoding: %s", config.speculative_config)
         self._rng = random.Random(config.seed)
         self.num_blocks = num_blocks
         self._in_flight = None  # (SchedulerOutput, StepInFlight) of step_with_batch_queue
@@ -174,11 +177,14 @@ class EngineCore:
         one step overlaps the device work of the other. Outputs equal `step()`'s: a request whose
         token is still in flight decodes at that position, fed from the device.
 
-        Requests with penalties need their full output history on the host, so while one runs the
-        engine falls back to one step at a time.
+        Requests with penalties, and requests that speculate (their proposals come from their
+        latest tokens), need their full output history on the host, so while one runs the engine
+        falls back to one step at a time.
         """
         updates = []
-        if self._in_flight is not None and any(r.sampling_params.uses_penalties for r in self.scheduler.running):
+        if self._in_flight is not None and any(
+            r.sampling_params.uses_penalties or r.speculates for r in self.scheduler.running
+        ):
             updates += self._collect()
         handle = None
         if self.scheduler.has_unfinished_requests():

@@ -9,6 +9,7 @@ any later compilation into an error. Only sampled ids and requested logprobs com
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import threading
@@ -112,6 +113,8 @@ class StepInFlight:
     prompt_logprobs: dict
     index_of: dict[str, int]  # request id → its row in the sampler output (sampling requests)
     sampled_padded: jax.Array | None = None
+    # speculative decoding: request id → its proposed tokens; their picks follow its row
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -323,6 +326,9 @@ class ModelRunner:
         """
         self._update_batch(so)
         b = self.batch
+        for req_id, drafts in so.spec_token_ids.items():  # proposals go after the known tokens
+            row = b.row_of[req_id]
+            b.token_ids[row, b.num_tokens[row] : b.num_tokens[row] + len(drafts)] = drafts
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return StepInFlight(req_ids, np.zeros(0, np.int32), np.zeros(0, bool), [], None, {}, {})
@@ -345,9 +351,14 @@ class ModelRunner:
         slots = b.block_table[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         width = pick_bucket(self.block_buckets, int(-(-ends.max() // self.block_size)))
 
-        # positions past the host-known tokens: tokens the previous step is sampling right now
+        # positions past the host-known tokens: tokens the previous step is sampling right now,
+        # or proposed tokens
         placeholder_src = np.full(num_tokens, -1, np.int32)
         pending = positions >= b.num_tokens[token_rows]
+        num_drafts = np.zeros(len(req_ids), np.int32)
+        if so.spec_token_ids:
+            num_drafts[:] = [len(so.spec_token_ids.get(r, ())) for r in req_ids]
+            pending &= num_drafts[token_request] == 0
         prev_sampled = self._no_prev_sampled
         if pending.any():
             prev = self._last_launched
@@ -368,15 +379,25 @@ class ModelRunner:
             block_tables=_padded(b.block_table[rows, :width], num_rows),
             num_tokens=np.int32(total),
         )
-        # the final hidden states the step needs: each request's last row (its logits), or every
-        # row when a request wants its prompt's logprobs
+        # the final hidden states the step needs: each request's last row (its logits), and the
+        # rows of its proposed tokens before it; or every row when a request wants its prompt's
+        # logprobs
         last_rows = np.cumsum(counts) - 1
+        logit_rows_per_req = 1 + num_drafts
+        logit_tokens = last_rows if not so.spec_token_ids else (
+            np.repeat(last_rows - num_drafts, logit_rows_per_req)
+            + np.arange(logit_rows_per_req.sum()) - np.repeat(np.cumsum(logit_rows_per_req) - logit_rows_per_req,
+                                                              logit_rows_per_req)
+        )
+        first_logit_row = np.cumsum(logit_rows_per_req) - logit_rows_per_req  # each request's first
+        if len(logit_tokens) > num_rows:
+            raise RuntimeError(f"{len(logit_tokens)} logits rows exceed the {num_rows} rows of bucket {num_tokens}")
         prompt_lp_targets, prompt_lp_wanted = self._plan_prompt_logprobs(req_ids, rows, starts, counts, num_tokens)
         if prompt_lp_wanted:
             out_rows = OutputRows(np.arange(num_tokens, dtype=np.int32), np.int32(total))
-            logits_indices = _padded(last_rows, num_rows)
+            logits_indices = _padded(logit_tokens, num_rows)
         else:
-            out_rows = OutputRows(_padded(last_rows, num_tokens), np.int32(len(req_ids)))
+            out_rows = OutputRows(_padded(logit_tokens, num_tokens), np.int32(len(logit_tokens)))
             logits_indices = np.arange(num_rows, dtype=np.int32)
         step = self._executable(num_tokens, width)
         logits, hidden, self.k_cache, self.v_cache = step(
@@ -388,14 +409,24 @@ class ModelRunner:
         in_flight = b.num_pending[rows]
         samples = ends >= b.num_tokens[rows] + in_flight
         params = [b.params[r] for r in rows]
+        steps = [int(b.num_tokens[r] - b.num_prompt_tokens[r] + b.num_pending[r]) for r in rows]
+        seeds = [int(b.seeds[r]) for r in rows]
+        prompts = [b.prompt_ids(r) for r in rows]
+        outputs = [np.concatenate([b.output_ids(r), np.full(b.num_pending[r], -1)]) for r in rows]
+        row_params = params
+        if so.spec_token_ids:
+            # one sampler row per logits row: a request's row j samples as if its first j
+            # proposals were its latest tokens
+            row_req = np.repeat(np.arange(len(req_ids)), logit_rows_per_req)
+            row_j = np.arange(len(row_req)) - first_logit_row[row_req]
+            drafts = [np.asarray(so.spec_token_ids.get(r, ()), np.int64) for r in req_ids]
+            row_params = [params[i] for i in row_req]
+            steps = [steps[i] + j for i, j in zip(row_req, row_j)]
+            seeds = [seeds[i] for i in row_req]
+            prompts = [prompts[i] for i in row_req]
+            outputs = [np.concatenate([outputs[i], drafts[i][:j]]) for i, j in zip(row_req, row_j)]
         sampling_md, mode, num_logprobs = build_sampling_metadata(
-            params,
-            [int(b.num_tokens[r] - b.num_prompt_tokens[r] + b.num_pending[r]) for r in rows],
-            [int(b.seeds[r]) for r in rows],
-            [b.prompt_ids(r) for r in rows],
-            [np.concatenate([b.output_ids(r), np.full(b.num_pending[r], -1)]) for r in rows],
-            num_rows,
-            self.cfg.vocab_size,
+            row_params, steps, seeds, prompts, outputs, num_rows, self.cfg.vocab_size,
             eos_token_ids=self.cfg.eos_token_ids,
         )
         sampler_out, sampled_padded = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
@@ -404,7 +435,8 @@ class ModelRunner:
         b.num_pending[rows[samples]] += 1
         handle = StepInFlight(
             req_ids, rows, samples, params, sampler_out, prompt_lp,
-            {r: i for i, r in enumerate(req_ids) if samples[i]}, sampled_padded,
+            {r: int(first_logit_row[i]) for i, r in enumerate(req_ids) if samples[i]}, sampled_padded,
+            dict(so.spec_token_ids),
         )
         self._last_launched = handle
         return handle
@@ -421,17 +453,27 @@ class ModelRunner:
         for i, (req_id, row) in enumerate(zip(handle.req_ids, handle.rows)):
             if not handle.samples[i]:
                 continue
-            token = int(out.sampled[i])
-            result.sampled_token_ids[req_id] = token
+            k = handle.index_of[req_id]
+            tokens = [int(out.sampled[k])]
+            drafts = handle.drafts.get(req_id, ())
+            for j, proposed in enumerate(drafts):  # keep proposals while they are the model's picks
+                if tokens[-1] != proposed:
+                    break
+                tokens.append(int(out.sampled[k + j + 1]))
+            result.sampled_token_ids[req_id] = tokens[0]
+            if len(tokens) > 1:
+                result.spec_token_ids[req_id] = tokens[1:]
             if b.row_of.get(req_id) == row:  # still held (not finished or preempted meanwhile)
                 b.num_pending[row] -= 1
-                b.append_token(row, token)
+                b.num_computed[row] -= len(drafts) - (len(tokens) - 1)  # rejected proposals' KV is stale
+                for token in tokens:
+                    b.append_token(row, token)
             wanted = handle.params[i].logprobs
             if wanted is not None:
                 result.logprobs[req_id] = Logprobs(
-                    token_ids=[int(t) for t in out.logprob_ids[i, : wanted + 1]],
-                    logprobs=[float(x) for x in out.logprobs[i, : wanted + 1]],
-                    rank=int(out.sampled_rank[i]),
+                    token_ids=[int(t) for t in out.logprob_ids[k, : wanted + 1]],
+                    logprobs=[float(x) for x in out.logprobs[k, : wanted + 1]],
+                    rank=int(out.sampled_rank[k]),
                 )
         result.prompt_logprobs = self._convert_prompt_logprobs(prompt_lp)
         if self._last_launched is handle:
