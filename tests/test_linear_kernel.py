@@ -67,22 +67,25 @@ def test_kernel_matches_reference(monkeypatch, M, dtype):
     assert np.max(np.abs(kernel - ref)) <= F32_REL * np.max(np.abs(ref))
 
 
-@pytest.mark.parametrize("dtype,bf16,dot", [(jnp.float32, False, "0"), (jnp.int8, False, "0"), (jnp.int8, True, "0"),
-                                            (jnp.int8, True, "1")])
-def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, dot):
-    """The GEMV (up to 4 rows) and the packed GEMM run the same FMA chain per output, and the bf16
-    dot products the same sequence for every row: a row's result is bit for bit the same alone, among 260 rows
-    (260 x 300 inputs are packed by all threads, the columns split over them) or among 1100 (the rows
-    split over them): what keeps greedy output batch-invariant."""
+@pytest.mark.parametrize("dtype,bf16,dot,strips", [(jnp.float32, False, "0", False), (jnp.float32, False, "0", True),
+                                                   (jnp.int8, False, "0", False), (jnp.int8, True, "0", False),
+                                                   (jnp.int8, True, "1", False)])
+def test_a_row_does_not_depend_on_its_batch(monkeypatch, dtype, bf16, dot, strips):
+    """The GEMV (up to 4 rows; 8 for float32 strips) and the packed GEMM run the same FMA chain per
+    output, and the bf16 dot products the same sequence for every row: a row's result is bit for bit
+    the same alone, among 260 rows (260 x 300 inputs are packed by all threads, the columns split over
+    them) or among 1100 (the rows split over them): what keeps greedy output batch-invariant."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     monkeypatch.setenv("TOKENMILL_CPU_BF16_DOT", dot)
-    w, scale = stack(9, 2, 300, 200, dtype, 20)
+    w, scale = stack(9, 2, 300, 224 if strips else 200, dtype, 20)
+    if strips:
+        w = jax.jit(cpu_linear.to_strips)(w)
     wsz = 20 if scale is not None else None
     x = jnp.asarray(np.random.default_rng(10).standard_normal((1100, 300)), jnp.float32)
     call = jax.jit(lambda x: linear(x, w, 1, scale, wsz, bf16))
     full = np.asarray(call(x))
-    for rows in (1, 3, 4, 5, 13, 260):
+    for rows in (1, 3, 4, 5, 6, 8, 9, 13, 260):
         np.testing.assert_array_equal(np.asarray(call(x[:rows])), full[:rows])
 
 
@@ -139,7 +142,7 @@ def test_gated_product_is_silu_of_gate_times_up(monkeypatch, M, N, dtype, bf16, 
     assert not padded[rows:].any()
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 150, 1100])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 8, 13, 150, 1100])
 @pytest.mark.parametrize("N", [224, 1120])  # 7 strips (one thread), 35 (weights enough for every thread)
 @pytest.mark.parametrize("dtype,bf16,dot", [(jnp.float32, False, "0"), (jnp.int8, False, "0"),
                                             (jnp.float8_e4m3fn, False, "0"), (jnp.int8, True, "1")])

@@ -252,7 +252,8 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
   // a gated product is activated in cache where the float32 GEMM splits rows (whole strips per half)
   if (gated != kNotGated && !(row_chunks && bf16 == 0 && (!strips || (N / 2) % kStrip == 0)))
     return GatedByParts(pool, x, w, scale, offset, layer, out, M, N, wsz, bf16);
-  const int64_t unit = M <= kGemvRows ? kGemvVectors * kVW : strips ? kStrip : kNR;  // blocks of whole strips
+  const bool gemv = M <= gemv_max_rows(weights);  // a float32 GEMV (below) where no bf16 path takes it
+  const int64_t unit = gemv ? kGemvVectors * kVW : strips ? kStrip : kNR;  // blocks of whole strips
   // blocks per thread: a helper thread that starts late leaves at most one block to the others.
   // B in strips costs nothing to cut finely, and up to a row block of A (kMC rows) re-reading A for
   // each block is cheap; else each block's B panels are packed anew, and 4 per thread balance well.
@@ -321,7 +322,7 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
     for (float& v : rounded) v = round_bf16(v);
     xp = rounded.data();
   }
-  if (M <= kGemvRows) {
+  if (gemv) {
     if (alone) {
       gemv_rows(M, K, xp, weights, out, 0, N);
       return ffi::Error::Success();
