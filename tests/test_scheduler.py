@@ -621,6 +621,22 @@ def test_speculation_stays_within_max_model_len_and_its_blocks():
     assert sched.get_stats().num_accepted_tokens > 0
 
 
+def test_proposals_never_cost_a_preemption():
+    """Step 2: a's proposals would need the block b holds; a decodes its one token instead."""
+    sched = make_sched(num_blocks=4, spec=NGRAM)  # 3 usable blocks of 4
+    sched.add_request(make_req("a", [1, 2, 1, 2, 1, 2, 1], max_tokens=5))
+    sched.add_request(make_req("b", [5, 6, 7], max_tokens=2))
+    runner = FakeRunner(4, 4, token_fn=lambda rid, toks: toks[-2])
+    updates = defaultdict(list)
+    step(sched, runner, updates)
+    so, _ = step(sched, runner, updates)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.spec_token_ids
+    out, _, _ = run_all(sched, runner)
+    assert [t for u in updates["a"] for t in u.new_token_ids] + out["a"] == [2, 1, 2, 1, 2]
+    assert sched.num_preemptions == 0
+    assert sched.get_stats().num_accepted_tokens > 0
+
+
 def test_only_greedy_requests_without_logprobs_or_penalties_speculate():
     sched = make_sched(spec=NGRAM)
     kinds = {"greedy": {}, "sampled": {"temperature": 0.8}, "logprobs": {"logprobs": 2},

@@ -240,6 +240,10 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, n)
                 if new_blocks is not None:
                     break
+                if drafts:  # proposals never cost a preemption
+                    n -= len(drafts)
+                    drafts = []
+                    continue
                 # The tail is always at or after i: a victim was never scheduled in this step.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -251,7 +255,6 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             cached_reqs.append(CachedRequestData(req.request_id, new_blocks))
             if drafts:
-                req.spec_token_ids = drafts
                 spec_tokens[req.request_id] = drafts
                 num_drafts += len(drafts)
             budget -= n
@@ -359,7 +362,6 @@ class Scheduler:
                 accepted = runner_output.spec_token_ids.get(rid, [])
                 drafts = scheduler_output.spec_token_ids.get(rid)
                 if drafts:
-                    req.spec_token_ids = []
                     self.num_draft_tokens += len(drafts)
                     self.num_accepted_tokens += len(accepted)
                     if req.status == RequestStatus.RUNNING:  # the rejected proposals' KV is not valid
