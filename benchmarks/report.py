@@ -51,6 +51,23 @@ def main(folder: str) -> None:
         dec = w2 and w2.get("decode_tok_s_median")
         ttft = w2 and w2.get("ttft_s_median")
         print(f"| {engine} | {precision} | {fmt(out)} | {fmt(total)} | {fmt(dec)} | {fmt(ttft, 2)} |")
+    spec_rows = [(f"tokenmill{' + n-gram speculation, k=' + k if k else ''}", prompt, f"tokenmill{name}{k and '-spec' + k}-w2")
+                 for prompt, name in (("W2 (random ids)", ""), ("code (`CODE_PROMPT`)", "-code")) for k in ("", "4", "7")]
+    spec_rows += [("llama.cpp F32", "W2 (random ids)", "llama-F32-w2")]
+    spec_rows += [(f"llama.cpp F32 + prompt lookup, k={k}", "W2 (random ids)", f"llama-F32-lookup{k}-w2") for k in ("4", "7")]
+    spec = [(engine, prompt, load(root, name)) for engine, prompt, name in spec_rows]
+    if any(r and "spec_num_draft_tokens" in r for _, _, r in spec):
+        print("\n| engine (float32) | prompt | W2 decode tok/s (median) | min-max | proposals accepted |")
+        print("|---|---|---|---|---|")
+        for engine, prompt, r in spec:
+            if r is None:
+                continue
+            lo, hi = min(r.get("decode_tok_s", [0])), max(r.get("decode_tok_s", [0]))
+            if "decode_tok_s_min" in r:
+                lo, hi = r["decode_tok_s_min"], r["decode_tok_s_max"]
+            drafts = r.get("spec_num_draft_tokens")
+            accepted = f"{r['spec_num_accepted_tokens']} / {drafts}" if drafts else "–"
+            print(f"| {engine} | {prompt} | {fmt(r['decode_tok_s_median'])} | {fmt(lo)}-{fmt(hi)} | {accepted} |")
 
 
 if __name__ == "__main__":

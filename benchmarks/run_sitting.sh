@@ -2,7 +2,9 @@
 # One benchmark sitting: tokenmill and its peers on W1/W2 (DESIGN.md), one after the other, under
 # one lock so no two timed runs overlap. Peers are set up as ../shared/peers/README.md says.
 # Usage: benchmarks/run_sitting.sh [OUT_DIR] [REPS]    (results: one JSON file per run)
-# WORKLOADS (default "w1 w2 startup"): the parts to run, e.g. WORKLOADS=w2 for single-stream decoding only.
+# WORKLOADS (default "w1 w2 spec startup"): the parts to run, e.g. WORKLOADS=w2 for single-stream decoding only;
+# "spec": W2 in float32 with n-gram speculative decoding (SPEC_TOKENS, default "4 7", tokens proposed a step)
+# against llama.cpp F32 verifying the same proposals, and on a text prompt (code) with and without it.
 # tokenmill W1 runs W1_REPS (default 10) back-to-back reps, to show memory does not grow.
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +18,9 @@ PEERS=$(cd "$PEERS" && pwd)
 mkdir -p "$OUT"
 lock() { flock /tmp/bench.lock "$@"; }
 result() { grep '^RESULT ' | sed 's/^RESULT //' > "$OUT/$1.json"; }
-want() { [[ " ${WORKLOADS:-w1 w2 startup} " == *" $1 "* ]]; }
+want() { [[ " ${WORKLOADS:-w1 w2 spec startup} " == *" $1 "* ]]; }
+CODE_PROMPT="Write a Python function that parses a CSV file of orders (id, customer, amount, date) and returns the \
+total amount per customer, with docstrings and type hints. Then write unit tests for it."
 
 want w1 && lock .venv/bin/tokenmill bench throughput --reps "${W1_REPS:-10}" --output-json "$OUT/tokenmill-w1.json" > "$OUT/tokenmill-w1.log" 2>&1
 want w2 && lock .venv/bin/tokenmill bench latency --reps "$REPS" --output-json "$OUT/tokenmill-w2.json" > "$OUT/tokenmill-w2.log" 2>&1
@@ -34,6 +38,14 @@ for q in gguf gguf_int; do
   want w2 && [ -n "$q8" ] && lock .venv/bin/tokenmill bench latency --model "$q8" --quantization $q --reps "$REPS" \
     --output-json "$OUT/tokenmill-$q-q8_0-w2.json" > "$OUT/tokenmill-$q-q8_0-w2.log" 2>&1
 done
+for k in ${SPEC_TOKENS:-4 7}; do
+  want spec && lock .venv/bin/tokenmill bench latency --speculative-config "{\"num_speculative_tokens\": $k}" \
+    --reps "$REPS" --output-json "$OUT/tokenmill-spec$k-w2.json" > "$OUT/tokenmill-spec$k-w2.log" 2>&1
+done
+want spec && lock .venv/bin/tokenmill bench latency --prompt "$CODE_PROMPT" --reps "$REPS" \
+  --output-json "$OUT/tokenmill-code-w2.json" > "$OUT/tokenmill-code-w2.log" 2>&1
+want spec && lock .venv/bin/tokenmill bench latency --prompt "$CODE_PROMPT" --speculative-config '{"num_speculative_tokens": 4}' \
+  --reps "$REPS" --output-json "$OUT/tokenmill-code-spec4-w2.json" > "$OUT/tokenmill-code-spec4-w2.log" 2>&1
 want w1 && (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w1 --reps "$REPS") | result hf-w1
 want w2 && (cd "$PEERS" && lock "$PEERS_DIR/hf/bin/python" bench_hf.py --workload w2 --reps "$REPS") | result hf-w2
 # llama.cpp through benchmarks/llama_peer.py: its AMX / repacked buffers off (they crash on Q8_0 / Q4_1)
@@ -43,6 +55,11 @@ want w1 && llama --workload w1 --reps "$REPS" | result llama-q4_1-w1
 for q in Q8_0 F32; do
   g=$(ls "$PEERS_DIR"/*"$q"*.gguf 2>/dev/null | head -1)
   want w2 && [ -n "$g" ] && llama --workload w2 --gguf "$g" --reps "$REPS" | result "llama-$q-w2"
+done
+f32=$(ls "$PEERS_DIR"/*F32*.gguf 2>/dev/null | head -1)
+for k in ${SPEC_TOKENS:-4 7}; do  # the same n-gram proposals, verified by llama.cpp
+  want spec && [ -n "$f32" ] && PEERS_SRC="$PEERS" lock "$PEERS_DIR/llama/bin/python" benchmarks/llama_lookup_peer.py \
+    --gguf "$f32" --num-speculative-tokens "$k" --reps "$REPS" | result "llama-F32-lookup$k-w2"
 done
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
 want w1 && (cd "$PEERS" && lock "$PEERS_DIR/vllm/bin/python" bench_vllm.py --workload w1 --reps "$REPS") | result vllm-w1

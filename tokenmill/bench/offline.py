@@ -58,12 +58,18 @@ def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, reps
     }
 
 
-def latency(llm: LLM, input_len: int, output_len: int, reps: int) -> dict:
-    prompt = random_prompts(1, input_len, LATENCY_SEED)[0]
+def latency(llm: LLM, input_len: int, output_len: int, reps: int, text: str | None = None) -> dict:
+    """W2: one request at a time, TTFT and decode tok/s. `text`: a chat message as the prompt instead
+    of W2's random ids (what speculative decoding meets on real text)."""
+    if text is None:
+        prompt = random_prompts(1, input_len, LATENCY_SEED)[0]
+    else:
+        prompt = llm.processor.tokenize_chat(llm.processor.render_chat([{"role": "user", "content": text}]))
     engine = llm.engine
     llm.generate([prompt], _greedy(4), use_tqdm=False)  # warm-up (excluded)
     ttfts, decode_rates = [], []
     for rep in range(reps):
+        before = engine.get_stats()
         engine.reset_prefix_cache()
         engine.add_request(f"latency-{rep}", prompt, _greedy(output_len))
         start = time.perf_counter()
@@ -77,13 +83,19 @@ def latency(llm: LLM, input_len: int, output_len: int, reps: int) -> dict:
         assert len(tokens) == output_len, len(tokens)
         ttfts.append(token_times[0] - start)
         decode_rates.append((output_len - 1) / (token_times[-1] - token_times[0]))
-    return {
+        after = engine.get_stats()
+    result = {
         "workload": "latency",
-        "input_len": input_len, "output_len": output_len,
+        "input_len": len(prompt), "output_len": output_len, "prompt": text,
         **_summary("ttft_s", ttfts),
         **_summary("decode_tok_s", decode_rates),
         "sample_first16": tokens[:16],
     }
+    if engine.config.speculative_config is not None:  # of the last repetition
+        result.update(speculative_config=dataclasses.asdict(engine.config.speculative_config),
+                      spec_num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+                      spec_num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens)
+    return result
 
 
 def run(args) -> dict:
@@ -120,16 +132,12 @@ def run(args) -> dict:
     if args.bench == "throughput":
         result = throughput(llm, args.num_prompts, args.input_len, args.output_len, args.reps)
     else:
-        result = latency(llm, args.input_len, args.output_len, args.reps)
+        result = latency(llm, args.input_len, args.output_len, args.reps, args.prompt)
     result.update(
         engine="tokenmill", model=llm.engine.model.source, startup_s=startup, first_token_s=first_token,
         precompiled_s=precompiled,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
-    if args.speculative_config is not None:
-        stats = llm.engine.get_stats()
-        result.update(speculative_config=dataclasses.asdict(args.speculative_config),
-                      spec_num_draft_tokens=stats.num_draft_tokens, spec_num_accepted_tokens=stats.num_accepted_tokens)
     return _report(result, args.output_json)
 
 

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(lat)
     lat.add_argument("--input-len", type=int, default=128)
     lat.add_argument("--output-len", type=int, default=256)
+    lat.add_argument("--prompt", default=None,
+                     help="a text prompt (the model's tokenizer, chat template applied) instead of W2's random "
+                          "token ids; --input-len is then ignored")
     for p in (thr, lat):
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--output-json", default=None)
