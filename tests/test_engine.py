@@ -82,11 +82,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 def test_speculative_decoding_keeps_every_output(tiny_model, llm):
-    """Greedy requests verify n-gram proposals; their output, and that of the sampled requests
-    beside them, is what plain decoding gives, however the steps are cut."""
+    """Requests verify n-gram proposals; a greedy request's output, a seeded sampled one's (each
+    proposal kept when the row's own draw picks it), one with penalties and one with min_tokens and
+    stop ids are what plain decoding gives, however the steps are cut."""
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.5, seed=9, max_tokens=24, ignore_eos=True, presence_penalty=0.4,
+                               repetition_penalty=1.2)
     stopping = SamplingParams(temperature=0, max_tokens=24, min_tokens=3, stop_token_ids=[77, 200])
-    params = [GREEDY, sampled, GREEDY, stopping, GREEDY, GREEDY]
+    params = [GREEDY, sampled, penalised, stopping, GREEDY, SamplingParams(temperature=0.9, seed=6, max_tokens=24)]
     reference = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
     configs = {
         "batched": ENGINE,

@@ -80,6 +80,18 @@ def test_scheduling_does_not_change_greedy_output(smollm2, alone, name, override
         assert engine.engine.get_stats().num_accepted_tokens > 0
 
 
+def test_speculative_sampling_keeps_seeded_outputs(llm, smollm2):
+    """Seeded sampled requests (one with a penalty) speculate too: a proposal is kept when the row's
+    own draw, with plain decoding's key for that step, picks it; the outputs are plain decoding's."""
+    temperatures = (0.7, 0.3, 1.0, 0.5, 0.7, 0.2, 0.8, 0.6)
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=32, presence_penalty=0.3 * (i == 3))
+              for i, t in enumerate(temperatures)]
+    plain = token_ids(llm.generate(PROMPTS[:8], params, use_tqdm=False))
+    spec = LLM(smollm2, **ENGINE, speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert token_ids(spec.generate(PROMPTS[:8], params, use_tqdm=False)) == plain
+    assert spec.engine.get_stats().num_accepted_tokens > 0
+
+
 def test_chat_uses_the_gguf_chat_template(llm, smollm2_path):
     from transformers import AutoTokenizer
 

@@ -637,19 +637,19 @@ def test_proposals_never_cost_a_preemption():
     assert sched.get_stats().num_accepted_tokens > 0
 
 
-def test_only_greedy_requests_without_logprobs_or_penalties_speculate():
-    sched = make_sched(spec=NGRAM)
+def test_requests_asking_for_logprobs_do_not_speculate():
+    sched = make_sched(seqs=16, spec=NGRAM)  # logits rows for every request's proposals
     kinds = {"greedy": {}, "sampled": {"temperature": 0.8}, "logprobs": {"logprobs": 2},
              "penalised": {"presence_penalty": 0.5}}
     for rid, kw in kinds.items():
         params = {"temperature": 0.0, **kw}
         sched.add_request(Request(rid, [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=8, **params)))
     assert {rid: sched.requests[rid].speculates for rid in kinds} == {
-        "greedy": True, "sampled": False, "logprobs": False, "penalised": False}
+        "greedy": True, "sampled": True, "logprobs": False, "penalised": True}
     runner = FakeRunner(4, 64, token_fn=lambda rid, toks: toks[-2])
     step(sched, runner)
     so, _ = step(sched, runner)
-    assert list(so.spec_token_ids) == ["greedy"]
+    assert sorted(so.spec_token_ids) == ["greedy", "penalised", "sampled"]
 
 
 # ---- property: random events keep the pool consistent ----------------------------------------------
