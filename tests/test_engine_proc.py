@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from serving import SMALL_ENGINE_ARGS, ServerProcess, drain_until_dead, wait_for
+from serving import SMALL_ENGINE_ARGS, ServerProcess, drain_until_dead, metrics, wait_for
 from tokenmill.sampling_params import SamplingParams
 
 TINY_ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64)
@@ -342,6 +342,32 @@ def test_serve_engine_that_cannot_start_exits_with_one_clear_line(tiny_dir):
     assert "Traceback" not in result.stderr
     (line,) = _error_lines(result.stderr)
     assert "engine failed to start" in line and "KV cache budget" in line
+
+
+@pytest.mark.slow
+def test_serve_with_speculative_decoding(tmp_path, smollm2_path):
+    """`tokenmill serve --speculative-config`: the same text as offline plain decoding, several tokens
+    per streamed chunk, and the proposals counted in /metrics."""
+    from tokenmill import LLM
+
+    prompt = "List the days of the week: Monday, Tuesday,"
+    expected = LLM(smollm2_path, max_model_len=512).generate([prompt], SamplingParams(temperature=0, max_tokens=40),
+                                                             use_tqdm=False)[0].outputs[0].text
+    srv = ServerProcess(["--host", "127.0.0.1", "--port", "0", *SMALL_ENGINE_ARGS, "--disable-access-log",
+                         "--speculative-config", '{"num_speculative_tokens": 4}'], tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == expected
+        chunks = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+        assert len(chunks) < 40
+        m = metrics(srv.url)
+        assert 0 < m["tokenmill:spec_decode_num_accepted_tokens_total"] <= m["tokenmill:spec_decode_num_draft_tokens_total"]
+    finally:
+        srv.stop()
 
 
 @pytest.mark.slow
