@@ -83,14 +83,16 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 def test_speculative_decoding_keeps_every_output(tiny_model, llm):
     """Requests verify n-gram proposals; a greedy request's output, a seeded sampled one's (each
-    proposal kept when the row's own draw picks it), one with penalties and one with min_tokens and
-    stop ids are what plain decoding gives, however the steps are cut."""
+    proposal kept when the row's own draw picks it), one with penalties, one with min_tokens and stop
+    ids, and one with logprobs (and its logprobs) are what plain decoding gives, however the steps
+    are cut."""
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)
     penalised = SamplingParams(temperature=0.5, seed=9, max_tokens=24, ignore_eos=True, presence_penalty=0.4,
                                repetition_penalty=1.2)
     stopping = SamplingParams(temperature=0, max_tokens=24, min_tokens=3, stop_token_ids=[77, 200])
-    params = [GREEDY, sampled, penalised, stopping, GREEDY, SamplingParams(temperature=0.9, seed=6, max_tokens=24)]
-    reference = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    with_logprobs = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    params = [GREEDY, sampled, penalised, stopping, with_logprobs, SamplingParams(temperature=0.9, seed=6, max_tokens=24)]
+    reference = llm.generate(PROMPTS, params, use_tqdm=False)
     configs = {
         "batched": ENGINE,
         "tiny token budget (chunked prefill)": {**ENGINE, "max_num_batched_tokens": 16},
@@ -99,7 +101,12 @@ def test_speculative_decoding_keeps_every_output(tiny_model, llm):
     }
     for name, kwargs in configs.items():
         engine = LLM(tiny_model, **kwargs, speculative_config=NGRAM)
-        assert token_ids(engine.generate(PROMPTS, params, use_tqdm=False)) == reference, name
+        outputs = engine.generate(PROMPTS, params, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(reference), name
+        ours, ref = outputs[4].outputs[0].logprobs, reference[4].outputs[0].logprobs
+        assert len(ours) == len(ref) == 24, name  # equal to float32 rounding (another XLA program)
+        assert all(x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+                   for x, y in zip(ours, ref)), name
         stats = engine.engine.get_stats()
         assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens, name
         if "preempt" in name:

@@ -140,7 +140,7 @@ def test_speculative_decoding_streams_what_the_offline_llm_gives(tiny_dir, skip_
     ref = LLM(tiny_dir, **TINY_ARGS).generate([prompt], _greedy(40), use_tqdm=False)[0].outputs[0]
     spec = AsyncLLM.from_engine_args(tiny_dir, **TINY_ARGS, speculative_config={"prompt_lookup_min": 1})
     try:
-        outs = loop.run_until_complete(_collect(spec, prompt, _greedy(40), "spec"))
+        outs = loop.run_until_complete(_collect(spec, prompt, _greedy(40, logprobs=1), "spec"))
         stats = loop.run_until_complete(spec.get_stats())
     finally:
         spec.shutdown()
@@ -148,6 +148,7 @@ def test_speculative_decoding_streams_what_the_offline_llm_gives(tiny_dir, skip_
     assert "".join(o.outputs[0].text for o in outs) == ref.text
     assert 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
     assert len(outs) < 40  # some steps delivered several tokens
+    assert len([lp for o in outs for lp in o.outputs[0].logprobs]) == 40  # one per token
 
 
 def test_cancelled_generation_is_aborted_in_the_core(engine, loop):

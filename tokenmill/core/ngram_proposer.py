@@ -14,18 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenmill.sampling_params import SamplingParams
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Requests whose steps may verify proposed tokens. A proposal is kept when the model's own pick
-    at its position takes it: the argmax, or the row's draw, whose key (seed, step) is the one plain
-    decoding would use at that step (ops/sampler.py), with the proposals before it as the latest
-    tokens (penalties, min_tokens). A kept token is thus exactly what plain decoding would have
-    picked, and the first pick that differs is too: greedy and seeded outputs are plain decoding's.
-    Not with logprobs: a step reports one position's."""
-    return params.logprobs is None
-
 
 def propose_ngram(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the last n tokens, for the

@@ -74,8 +74,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token id that finished it, if one did
         self.num_preemptions = 0
-        # speculative decoding: whether its steps may verify proposed tokens (set on admission)
-        self.speculates = False
         self.max_tokens: int | None = sampling_params.max_tokens
         # Hashes of the request's full blocks, in order, filled in by the KV cache manager as
         # tokens fill blocks (output tokens included). Valid for one block size.

@@ -12,11 +12,16 @@ tokens, and it goes back to the head of the waiting queue to be recomputed later
 may run while a step is still in flight (one step ahead at most: `update_from_output` of step N
 must come before `schedule()` of step N+2).
 
-Speculative decoding: a decoding request that may speculate (`can_speculate`) is scheduled with
-its proposed tokens too, 1 + k tokens; `update_from_output` appends what the step verified and
-takes the rejected proposals back out of `num_computed_tokens` (their KV slots are overwritten
-later). Proposals need the request's latest tokens on the host, so the engine runs such requests'
-steps one at a time (no step in flight when `schedule()` proposes).
+Speculative decoding: with a `speculative_config`, a decoding request is scheduled with its
+proposed tokens too, 1 + k tokens; `update_from_output` appends what the step verified and takes
+the rejected proposals back out of `num_computed_tokens` (their KV slots are overwritten later).
+The runner keeps a proposal when the model's own pick at its position takes it: the argmax, or the
+row's draw, whose key (seed, step) is the one plain decoding would use at that step
+(ops/sampler.py), with the proposals before it as the latest tokens (penalties, min_tokens). Every
+kept token, and the first pick that differs, is thus what plain decoding would have picked:
+greedy and seeded outputs (and logprobs) are plain decoding's. Proposals need the request's latest
+tokens on the host, so the engine then runs one step at a time (no step in flight when
+`schedule()` proposes).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.ngram_proposer import can_speculate, propose_ngram
+from tokenmill.core.ngram_proposer import propose_ngram
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.step_io import (
     CachedRequestData,
@@ -51,7 +56,7 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None  # the stop token id that finished it (None for EOS)
-    logprobs: Logprobs | None = None  # of the new token
+    logprobs: list[Logprobs] | None = None  # of each new token
     prompt_logprobs: list[Logprobs] | None = None  # of the prompt positions computed this step
     num_cached_tokens: int = 0
 
@@ -167,7 +172,6 @@ class Scheduler:
                 f"{self.kv.num_usable_blocks}"
             )
         request.status = RequestStatus.WAITING
-        request.speculates = self.speculative is not None and can_speculate(request.sampling_params)
         self.requests[rid] = request
         self.waiting.add(request)
 
@@ -232,7 +236,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts = []
-            if n == 1 and req.speculates and req.num_output_placeholders == 0:
+            if n == 1 and self.speculative is not None and req.num_output_placeholders == 0:
                 room = self.max_num_seqs - len(self.running) - num_drafts
                 drafts = self._propose(req, min(budget - 1, room))
                 n += len(drafts)
@@ -384,7 +388,8 @@ class Scheduler:
                         finished=finished,
                         finish_reason=req.finish_reason,
                         stop_reason=req.stop_reason,
-                        logprobs=runner_output.logprobs.get(rid) if new_tokens else None,
+                        logprobs=runner_output.logprobs[rid][: len(new_tokens)]
+                        if new_tokens and rid in runner_output.logprobs else None,
                         prompt_logprobs=prompt_lp,
                         num_cached_tokens=req.num_cached_tokens,
                     )

@@ -59,6 +59,7 @@ class ModelRunnerOutput:
     # sampled token and these are the model's own picks at the scheduled positions, up to and
     # including the first that differs from its proposal; absent when none was accepted
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # requests that asked: the logprobs of the sampled token, then of each of spec_token_ids
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # prompt logprobs of the positions computed this step (a chunk of a long prompt at a time)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)

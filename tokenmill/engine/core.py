@@ -177,13 +177,14 @@ class EngineCore:
         one step overlaps the device work of the other. Outputs equal `step()`'s: a request whose
         token is still in flight decodes at that position, fed from the device.
 
-        Requests with penalties, and requests that speculate (their proposals come from their
-        latest tokens), need their full output history on the host, so while one runs the engine
-        falls back to one step at a time.
+        Requests with penalties, and speculative decoding (proposals come from a request's latest
+        tokens), need the full output history on the host, so while a request with penalties runs,
+        or with speculative decoding on, the engine falls back to one step at a time.
         """
         updates = []
-        if self._in_flight is not None and any(
-            r.sampling_params.uses_penalties or r.speculates for r in self.scheduler.running
+        if self._in_flight is not None and (
+            self.scheduler.speculative is not None
+            or any(r.sampling_params.uses_penalties for r in self.scheduler.running)
         ):
             updates += self._collect()
         handle = None

@@ -76,7 +76,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None
-    logprobs: LogprobsMsg | None = None
+    logprobs: list[LogprobsMsg] | None = None  # one per new token
     prompt_logprobs: list[LogprobsMsg] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the core refused the request (it is finished)
@@ -177,14 +177,15 @@ _DEFAULT_PARAMS = SamplingParams()
 
 def output_from_update(u) -> EngineCoreOutput:
     """core.scheduler.RequestUpdate → EngineCoreOutput."""
-    lp = u.logprobs
     return EngineCoreOutput(
         req_id=u.req_id,
         new_token_ids=list(u.new_token_ids),
         finished=u.finished,
         finish_reason=u.finish_reason,
         stop_reason=u.stop_reason,
-        logprobs=None if lp is None else LogprobsMsg(list(lp.token_ids), list(lp.logprobs), int(lp.rank)),
+        logprobs=None if u.logprobs is None else [
+            LogprobsMsg(list(p.token_ids), list(p.logprobs), int(p.rank)) for p in u.logprobs
+        ],
         prompt_logprobs=None if not u.prompt_logprobs else [
             LogprobsMsg(list(p.token_ids), list(p.logprobs), int(p.rank)) for p in u.prompt_logprobs
         ],

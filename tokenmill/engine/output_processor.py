@@ -69,8 +69,9 @@ class OutputProcessor:
             for token in u.new_token_ids:
                 state.token_ids.append(token)
             if u.logprobs is not None and state.logprobs is not None:
-                state.logprobs.append(self._convert(u.logprobs))
-                state.cumulative_logprob += u.logprobs.logprobs[0]
+                for lp in u.logprobs:  # one per new token
+                    state.logprobs.append(self._convert(lp))
+                    state.cumulative_logprob += lp.logprobs[0]
             if u.finished:
                 state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
             if state.detokenizer is not None and u.new_token_ids:

@@ -469,12 +469,15 @@ class ModelRunner:
                 for token in tokens:
                     b.append_token(row, token)
             wanted = handle.params[i].logprobs
-            if wanted is not None:
-                result.logprobs[req_id] = Logprobs(
-                    token_ids=[int(t) for t in out.logprob_ids[k, : wanted + 1]],
-                    logprobs=[float(x) for x in out.logprobs[k, : wanted + 1]],
-                    rank=int(out.sampled_rank[k]),
-                )
+            if wanted is not None:  # of each token kept: rows k, k + 1, ...
+                result.logprobs[req_id] = [
+                    Logprobs(
+                        token_ids=[int(t) for t in out.logprob_ids[k + j, : wanted + 1]],
+                        logprobs=[float(x) for x in out.logprobs[k + j, : wanted + 1]],
+                        rank=int(out.sampled_rank[k + j]),
+                    )
+                    for j in range(len(tokens))
+                ]
         result.prompt_logprobs = self._convert_prompt_logprobs(prompt_lp)
         if self._last_launched is handle:
             self._last_launched = None
