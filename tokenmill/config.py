@@ -247,9 +247,9 @@ SPECULATIVE_METHODS = ("ngram",)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config`): each step of a greedy request also
-    computes up to `num_speculative_tokens` proposed tokens and keeps those the model itself would
-    have picked, so one read of the weights can yield several tokens.
+    """Speculative decoding (vLLM's `speculative_config`): each decode step of a request also
+    computes up to `num_speculative_tokens` proposed tokens and keeps those the model itself picks
+    (core/scheduler.py says how), so one read of the weights can yield several tokens.
 
     "ngram" (prompt lookup) proposes the tokens that followed the latest earlier occurrence of the
     context's last n tokens, trying n from `prompt_lookup_max` down to `prompt_lookup_min`.

@@ -39,10 +39,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where the data-parallel engine cores run: local processes (mp) or Ray actors "
                         "anywhere in the cluster (ray)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding for greedy requests, vLLM\'s form: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-                        "(each step also computes up to num_speculative_tokens tokens proposed by prompt lookup "
-                        "and keeps those the model agrees with)")
+                   help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (each decode step also computes up to '
+                        "num_speculative_tokens tokens proposed by prompt lookup and keeps those the model's own "
+                        "picks agree with: the output is plain decoding's)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["ray"],
                    help="run the model across hosts: one Ray worker per host (default: in this process; "
                         "also TOKENMILL_MULTIHOST_BACKEND=ray)")
