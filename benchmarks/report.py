@@ -62,9 +62,8 @@ def main(folder: str) -> None:
         for engine, prompt, r in spec:
             if r is None:
                 continue
-            lo, hi = min(r.get("decode_tok_s", [0])), max(r.get("decode_tok_s", [0]))
-            if "decode_tok_s_min" in r:
-                lo, hi = r["decode_tok_s_min"], r["decode_tok_s_max"]
+            reps = r.get("decode_tok_s", [0])  # tokenmill reports min and max, the peers each repetition
+            lo, hi = r.get("decode_tok_s_min", min(reps)), r.get("decode_tok_s_max", max(reps))
             drafts = r.get("spec_num_draft_tokens")
             accepted = f"{r['spec_num_accepted_tokens']} / {drafts}" if drafts else "–"
             print(f"| {engine} | {prompt} | {fmt(r['decode_tok_s_median'])} | {fmt(lo)}-{fmt(hi)} | {accepted} |")

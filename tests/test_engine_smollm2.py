@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.logprobs_check import close_logprobs
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.loader import load_model
 
@@ -38,13 +39,6 @@ def alone(llm):
     """Greedy tokens of a few of the prompts, each run alone."""
     picks = [0, 9, 42, 63]
     return picks, {i: token_ids(llm.generate([PROMPTS[i]], GREEDY, use_tqdm=False))[0] for i in picks}
-
-
-def close_logprobs(a, b, tol=1e-4) -> bool:
-    """Same top tokens at each position, logprobs within `tol`."""
-    return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) <= tol for t in x) for x, y in zip(a, b)
-    )
 
 
 def check(outputs, alone):

@@ -384,12 +384,10 @@ class ModelRunner:
         # logprobs
         last_rows = np.cumsum(counts) - 1
         logit_rows_per_req = 1 + num_drafts
-        logit_tokens = last_rows if not so.spec_token_ids else (
-            np.repeat(last_rows - num_drafts, logit_rows_per_req)
-            + np.arange(logit_rows_per_req.sum()) - np.repeat(np.cumsum(logit_rows_per_req) - logit_rows_per_req,
-                                                              logit_rows_per_req)
-        )
         first_logit_row = np.cumsum(logit_rows_per_req) - logit_rows_per_req  # each request's first
+        # logits row first_logit_row[i] + j: request i's token j rows before its last
+        logit_tokens = np.repeat(last_rows - num_drafts - first_logit_row, logit_rows_per_req) + np.arange(
+            logit_rows_per_req.sum())
         if len(logit_tokens) > num_rows:
             raise RuntimeError(f"{len(logit_tokens)} logits rows exceed the {num_rows} rows of bucket {num_tokens}")
         prompt_lp_targets, prompt_lp_wanted = self._plan_prompt_logprobs(req_ids, rows, starts, counts, num_tokens)
