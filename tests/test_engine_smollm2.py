@@ -137,3 +137,16 @@ def test_last_layer_for_sampled_rows_only_changes_no_logprob(llm):
     for a, b in zip(sampled_rows_only, every_row):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_greedy_head_gives_the_float32_heads_tokens(llm, alone):
+    """A lone greedy request without logprobs takes the screened LM head (ops/cpu/greedy_head), one that
+    asks for logprobs the full float32 head: the same tokens, and the argmax is the logprobs' top token."""
+    assert "lm_head_screen" in llm.engine.runner.params
+    picks, expected = alone
+    for i in picks:
+        out = llm.generate([PROMPTS[i]], SamplingParams(temperature=0.0, max_tokens=len(expected[i]),
+                                                         ignore_eos=True, logprobs=1), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == expected[i], f"prompt {i}"
+        for token, lp in zip(out.token_ids, out.logprobs):
+            assert max(lp.items(), key=lambda kv: kv[1].logprob)[0] == token

@@ -56,6 +56,12 @@ VARIABLES: dict[str, _Var] = {
         "--quantization w8a16 on CPU: multiply with the CPU's bfloat16 dot products where it has them, AMX "
         "tiles or else AVX512-BF16 (off: the float32 FMA path, same rounding of the inputs)",
     ),
+    "TOKENMILL_GREEDY_HEAD": _Var(
+        _bool,
+        True,
+        "float32 LM head on CPU: a greedy step with no logprobs screens its rows through an int8 copy of the head "
+        "and computes only the float32 logits that could be the largest (the same argmax; +28 MB for SmolLM2)",
+    ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,
         "auto",

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, OutputRows, paged_attention, select_rows, write_kv
+from tokenmill import envs
+from tokenmill.ops.cpu import greedy_head
 from tokenmill.ops.cpu.linear import STRIP, to_strips
 from tokenmill.ops.linear import in_features, kernel_layout, kernel_runs, linear, takes_strips
 from tokenmill.ops.moe import fused_moe, strips_suit
@@ -107,6 +109,8 @@ def to_kernel_layout(params: dict, mesh, int16: bool = False) -> dict:
         if takes_strips(jax.eval_shape(lambda h: _head_stack(h, tied), params[name]), mesh):
             params["lm_head_strips"] = jax.jit(lambda h: to_strips(_head_stack(h, tied)))(params[name])
             params.pop(name).delete()
+            if envs.TOKENMILL_GREEDY_HEAD and greedy_head.available():  # greedy steps' head (compute_logits)
+                params["lm_head_screen"] = greedy_head.screen_head(params["lm_head_strips"])
     return params
 
 
@@ -267,13 +271,20 @@ def forward(
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k_cache, v_cache
 
 
-def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """hidden [N, D] → float32 logits [N, V]."""
+def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array, greedy=None) -> jax.Array:
+    """hidden [N, D] → float32 logits [N, V]. `greedy` (traced bool): the step takes only their argmax;
+    then a float32 head with its screening copy (`lm_head_screen`) gives, for up to
+    greedy_head.MAX_ROWS rows, values whose argmax is exactly the logits' (greedy_head.greedy_logits),
+    reading the int8 copy instead of most of the float32 head."""
     if cfg.quantization:
         head = params["lm_head_q"]
         return linear(hidden, head, 0, params["lm_head_q_scale"], cfg.quant_window or in_features(head),
                       bf16=cfg.bf16_inputs, int16=cfg.int16_inputs, offset=params.get("lm_head_q_offset"))
     if "lm_head_strips" in params:
-        return linear(hidden, params["lm_head_strips"], 0)
+        strips = params["lm_head_strips"]
+        if greedy is not None and "lm_head_screen" in params and hidden.shape[0] <= greedy_head.MAX_ROWS:
+            return jax.lax.cond(greedy, lambda h: greedy_head.greedy_logits(h, strips, params["lm_head_screen"]),
+                                lambda h: linear(h, strips, 0), hidden)
+        return linear(hidden, strips, 0)
     lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32)

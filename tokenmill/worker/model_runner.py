@@ -164,12 +164,14 @@ class ModelRunner:
 
         cfg, module = self.cfg, self.module
 
-        def step(params, k_cache, v_cache, input_ids, md, out_rows, logits_indices, prev_sampled, placeholder_src):
+        def step(params, k_cache, v_cache, input_ids, md, out_rows, logits_indices, prev_sampled, placeholder_src,
+                 argmax_only):
             # tokens still being sampled by the previous step come from its device output
             prev = jnp.take(prev_sampled, jnp.maximum(placeholder_src, 0))
             input_ids = jnp.where(placeholder_src >= 0, prev, input_ids)
             hidden, k_cache, v_cache = module.forward(params, cfg, k_cache, v_cache, input_ids, md, out_rows)
-            logits = module.compute_logits(params, cfg, hidden[logits_indices])
+            # argmax_only: the sampler takes nothing but the logits' argmax (its "greedy" mode, no logprobs)
+            logits = module.compute_logits(params, cfg, hidden[logits_indices], greedy=argmax_only)
             return logits, hidden, k_cache, v_cache
 
         def prompt_logprobs(params, hidden, targets, num_logprobs):
@@ -291,7 +293,7 @@ class ModelRunner:
         )
         out_rows = OutputRows(np.zeros(num_tokens, np.int32), np.int32(0))
         return (np.zeros(num_tokens, np.int32), md, out_rows, np.zeros(rows, np.int32), self._no_prev_sampled,
-                np.full(num_tokens, -1, np.int32))
+                np.full(num_tokens, -1, np.int32), np.False_)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -397,12 +399,6 @@ class ModelRunner:
         else:
             out_rows = OutputRows(_padded(logit_tokens, num_tokens), np.int32(len(logit_tokens)))
             logits_indices = np.arange(num_rows, dtype=np.int32)
-        step = self._executable(num_tokens, width)
-        logits, hidden, self.k_cache, self.v_cache = step(
-            self.params, self.k_cache, self.v_cache, _padded(input_ids, num_tokens), md, out_rows, logits_indices,
-            prev_sampled, placeholder_src,
-        )
-
         # Requests whose known tokens (in flight included) are all computed after this step sample.
         in_flight = b.num_pending[rows]
         samples = ends >= b.num_tokens[rows] + in_flight
@@ -426,6 +422,11 @@ class ModelRunner:
         sampling_md, mode, num_logprobs = build_sampling_metadata(
             row_params, steps, seeds, prompts, outputs, num_rows, self.cfg.vocab_size,
             eos_token_ids=self.cfg.eos_token_ids,
+        )
+        step = self._executable(num_tokens, width)
+        logits, hidden, self.k_cache, self.v_cache = step(
+            self.params, self.k_cache, self.v_cache, _padded(input_ids, num_tokens), md, out_rows, logits_indices,
+            prev_sampled, placeholder_src, np.bool_(mode == "greedy" and num_logprobs is None),
         )
         sampler_out, sampled_padded = self._sample(logits, sampling_md, mode=mode, num_logprobs=num_logprobs)
         prompt_lp = self._prompt_logprobs_for(hidden, prompt_lp_targets, prompt_lp_wanted)

@@ -52,6 +52,7 @@ MOE_EXPERTS = Kernel("tokenmill_moe_experts", "TokenmillMoeExperts", "moe_expert
 LINEAR = Kernel("tokenmill_linear", "TokenmillLinear", "linear.cc")
 LAZY_ZEROS = Kernel("tokenmill_lazy_zeros", "TokenmillLazyZeros", "lazy_zeros.cc")
 ARGMAX = Kernel("tokenmill_argmax", "TokenmillArgmax", "argmax.cc")
+GREEDY_HEAD = Kernel("tokenmill_greedy_head", "TokenmillGreedyHead", "greedy_head.cc")
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -210,7 +211,7 @@ def build_error(kernel: Kernel = PAGED_ATTENTION) -> str | None:
     return _errors.get(kernel.target)
 
 
-KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS, ARGMAX)
+KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS, ARGMAX, GREEDY_HEAD)
 
 
 def _build_one(kernel: Kernel) -> str:

@@ -1,0 +1,121 @@
+// The LM head of a greedy step on CPU, called from JAX through the XLA FFI (target
+// "tokenmill_greedy_head"); tokenmill/ops/cpu/greedy_head.py is its Python side.
+//
+//   logits[r] = x[r] . W   (x [R, K] float32, W the float32 head in strips [1, V / 32, K, 32])
+//
+// for the argmax only: every value that could be the row's largest is W's exact float32 logit, the
+// very bits the linear kernel computes (one FMA chain over k = 0, 1, ..., as its GEMV and GEMM do),
+// and every other value is below the row's largest. Decoding one stream reads the whole head per
+// token (SmolLM2: 113 MB of its 540); here the row is first screened through an int8 copy of the head
+// (Q [1, V / 32, K, 32], one scale per column, 28 MB), whose error against W's float32 logit is bounded:
+//
+//   |a_v - z_v| <= |x|_2 * c_v,  c_v >= |q_v - w_v|_2 + 2 gamma_K (|q_v|_2 + |w_v|_2)
+//
+// (a_v the screened value, z_v the float32 logit, q_v the dequantized column, gamma_K = K u / (1 - K u)
+// bounding an FMA chain's rounding; greedy_head.py computes c with slack for the float32 arithmetic
+// here). With L the row's largest a_v - |x| c_v, a column can hold the maximum only if a_v + |x| c_v >= L:
+// those columns get z_v, the others a_v - |x| c_v < L <= max z. A row whose bound is not finite, or
+// with more than kMaxCandidates candidates, gets every z_v.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "gemm.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Past this many candidates a row is multiplied whole (the float32 GEMV streams W faster than
+// the candidates' columns, each 32 floats apart, are gathered).
+constexpr int64_t kMaxCandidates = 4096;
+
+// z_v: x . W[:, v] as the linear kernel computes it, one FMA chain in k order from +0
+float exact_logit(const float* x, int64_t K, const Weights& W, int64_t v) {
+  const float* column = W.strip_at(0, v);  // row k at column[k * kStrip]
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc = lane_fma(x[k], column[k * kStrip], acc);
+  return acc;
+}
+
+// Row r of the logits, its screened values a already in `row`
+void finish_row(const float* x, int64_t K, const Weights& W, const float* coeff, int64_t V, float* row,
+                std::vector<int32_t>& candidates) {
+  double sum = 0;
+  for (int64_t k = 0; k < K; ++k) sum += double(x[k]) * x[k];
+  const float norm = float(std::sqrt(sum) * (1 + 1e-4));
+  float lower = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) lower = std::max(lower, row[v] - norm * coeff[v]);
+  candidates.clear();
+  if (std::isfinite(norm) && std::isfinite(lower)) {
+    for (int64_t v = 0; v < V && int64_t(candidates.size()) <= kMaxCandidates; ++v)
+      if (row[v] + norm * coeff[v] >= lower) candidates.push_back(int32_t(v));
+  }
+  if (candidates.empty() || int64_t(candidates.size()) > kMaxCandidates) {
+    gemv_rows(1, K, x, W, row, 0, V);  // every z_v
+    return;
+  }
+  for (int64_t v = 0; v < V; ++v) row[v] -= norm * coeff[v];
+  for (const int32_t v : candidates) row[v] = exact_logit(x, K, W, v);
+}
+
+ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> coeff,
+                          ffi::Result<ffi::Buffer<ffi::F32>> logits) {
+  auto xd = x.dimensions(), wd = w.dimensions(), qd = q.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || qd.size() != 4 || wd[0] != 1 || wd[3] != kStrip)
+    return ffi::Error::InvalidArgument("greedy_head: expected x [R, K], w and q [1, V / 32, K, 32]");
+  const int64_t R = xd[0], K = xd[1], V = wd[1] * kStrip;
+  for (size_t i = 0; i < 4; ++i)
+    if (qd[i] != wd[i]) return ffi::Error::InvalidArgument("greedy_head: w and q differ in shape");
+  if (wd[2] != K || scale.element_count() != size_t(V) || coeff.element_count() != size_t(V) ||
+      logits->element_count() != size_t(R * V))
+    return ffi::Error::InvalidArgument("greedy_head: expected scale [V], coeff [V], logits [R, V]");
+  if (R > kGemvRows) return ffi::Error::InvalidArgument("greedy_head: at most 4 rows");
+  if (R == 0 || V == 0) return ffi::Error::Success();
+
+  Weights W;
+  W.data = reinterpret_cast<const char*>(w.typed_data());
+  W.N = V;
+  W.strip_stride = K * kStrip;
+  Weights Q;
+  Q.data = reinterpret_cast<const char*>(q.typed_data());
+  Q.N = V;
+  Q.elem = 1;
+  Q.is_int8 = true;
+  Q.scale = scale.typed_data();
+  Q.wsz = K;
+  Q.strip_stride = K * kStrip;
+
+  const float* xp = x.typed_data();
+  float* out = logits->typed_data();
+  struct NoState {};
+  // the screening pass: blocks of whole strips, several per thread (a helper that starts late
+  // leaves at most one block to the others)
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t block = round_up(std::max<int64_t>(kStrip, (V + 24 * threads - 1) / (24 * threads)), kStrip);
+  parallel_for<NoState>(
+      pool, (V + block - 1) / block, [] { return std::make_unique<NoState>(); },
+      [&](int64_t i, NoState&) { gemv_rows(R, K, xp, Q, out, i * block, std::min(V, (i + 1) * block)); },
+      /*spin=*/true);
+  std::vector<int32_t> candidates;
+  for (int64_t r = 0; r < R; ++r) finish_row(xp + r * K, K, W, coeff.typed_data(), V, out + r * V, candidates);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenmillGreedyHead, GreedyHeadImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [R, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [1, V / 32, K, 32]
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // q [1, V / 32, K, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [V]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coeff [V]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // logits [R, V]

@@ -1,0 +1,68 @@
+"""A greedy step's LM head by the C++ kernel (greedy_head.cc): logits whose argmax is exactly the
+float32 head's, reading an int8 copy of the head instead of the float32 one where it can.
+
+Decoding one stream is bound by the bytes it reads per token, and a float32 head is a fifth of them
+(SmolLM2: 113 of 540 MB). `screen_head` makes, once at load time, an int8 copy of the head (one scale per
+column) and per column a bound c_v on how far the copy's logit can be from the float32 one, |x|_2 * c_v.
+`greedy_logits` then screens each row through the copy and computes the float32 logit (the same bits as
+`ops.cpu.linear`'s) only of the columns that could hold the row's maximum; the others come out below
+it. So the argmax, and with it greedy decoding, is exactly the float32 head's; the other values are not
+logits, so only a step that takes nothing but the argmax may use them (the sampler's "greedy" mode with
+no logprobs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokenmill.ops.cpu.build import GREEDY_HEAD, load
+from tokenmill.ops.cpu.linear import STRIP
+
+MAX_ROWS = 4  # rows the kernel screens at most: gemm.h's kGemvRows (more are compute-bound anyway)
+_U = 2.0**-24  # float32's unit roundoff
+_SLACK = 1e-3  # c_v's relative margin for the float32 arithmetic of the bound itself
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it on first call)."""
+    return load(GREEDY_HEAD)
+
+
+@jax.jit
+def screen_head(strips: jax.Array) -> dict[str, jax.Array]:
+    """The screening copy of a float32 head in strips [1, V / 32, K, 32]: int8 codes in the same layout,
+    one scale per column (f32[V]) and the bound's per-column factor `coeff` (f32[V]):
+    coeff_v >= |q_v - w_v|_2 + 4 gamma_K (|q_v|_2 + |w_v|_2), q_v the column as the kernel dequantizes
+    it (code * scale in float32), gamma_K = K u / (1 - K u) (an FMA chain's rounding over K terms)."""
+    _, n_strips, K, _ = strips.shape
+    w = jnp.transpose(strips[0], (1, 0, 2)).reshape(K, n_strips * STRIP)  # [K, V]
+    scale = jnp.max(jnp.abs(w), axis=0) / 127
+    scale = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    dequantized = codes.astype(jnp.float32) * scale
+    gamma = K * _U / (1 - K * _U)
+
+    def norm(a):  # |a|_2 per column, rounded up past float32's own error
+        return jnp.sqrt(jnp.sum(a * a, axis=0)) * (1 + 2 * K * _U)
+
+    coeff = (norm(dequantized - w) + 4 * gamma * (norm(dequantized) + norm(w))) * (1 + _SLACK)
+    q = jnp.transpose(codes.reshape(K, n_strips, STRIP), (1, 0, 2))[None]
+    return {"q": q, "scale": scale, "coeff": coeff}
+
+
+def greedy_logits(x: jax.Array, strips: jax.Array, screen: dict[str, jax.Array]) -> jax.Array:
+    """x f32[R, K] (R <= MAX_ROWS) and the float32 head in strips [1, V / 32, K, 32] with its `screen_head`
+    copy → f32[R, V] whose row-wise argmax is exactly that of `ops.cpu.linear.linear(x, strips, 0)`."""
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"greedy_logits: at most {MAX_ROWS} rows, got {x.shape[0]}")
+    out = jax.ShapeDtypeStruct((x.shape[0], strips.shape[1] * STRIP), jnp.float32)
+    return jax.ffi.ffi_call(GREEDY_HEAD.target, out)(x, strips, screen["q"], screen["scale"], screen["coeff"])
+
+
+def reference_bound(x: np.ndarray, screen: dict[str, jax.Array]) -> np.ndarray:
+    """|x|_2 * coeff as float64 [R, V]: how far the screened values may lie from the float32 logits
+    (for tests)."""
+    norms = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=1, keepdims=True))
+    return norms * np.asarray(screen["coeff"], np.float64)[None]
