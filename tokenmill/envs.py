@@ -59,7 +59,7 @@ VARIABLES: dict[str, _Var] = {
     "TOKENMILL_GREEDY_HEAD": _Var(
         _bool,
         True,
-        "float32 LM head on CPU: a greedy step with no logprobs screens its rows (up to 8) through an int8 copy of the head "
+        "float32 LM head on CPU: a greedy step with no logprobs screens its rows (up to 4) through an int8 copy of the head "
         "and computes only the float32 logits that could be the largest (the same argmax; +28 MB for SmolLM2)",
     ),
     "TOKENMILL_MOE_BACKEND": _Var(

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from tokenmill import envs
 from tokenmill.config import ModelConfig
 from tokenmill.ops.activations import get_activation
 from tokenmill.ops.attention import AttentionMetadata, OutputRows, paged_attention, select_rows, write_kv
-from tokenmill import envs
 from tokenmill.ops.cpu import greedy_head
 from tokenmill.ops.cpu.linear import STRIP, to_strips
 from tokenmill.ops.linear import in_features, kernel_layout, kernel_runs, linear, takes_strips

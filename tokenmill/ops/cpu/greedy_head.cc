@@ -31,10 +31,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Rows screened at most: a step verifying up to 7 speculative tokens (two passes over the int8 copy
-// past kGemvRows rows, still half the float32 head's bytes)
-constexpr int64_t kMaxRows = 8;
-
 // Past this many candidates a row is multiplied whole (the float32 GEMV streams W faster than
 // the candidates' columns, each 32 floats apart, are gathered).
 constexpr int64_t kMaxCandidates = 4096;
@@ -80,7 +76,7 @@ ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (wd[2] != K || scale.element_count() != size_t(V) || coeff.element_count() != size_t(V) ||
       logits->element_count() != size_t(R * V))
     return ffi::Error::InvalidArgument("greedy_head: expected scale [V], coeff [V], logits [R, V]");
-  if (R > kMaxRows) return ffi::Error::InvalidArgument("greedy_head: at most 8 rows");
+  if (R > kGemvRows) return ffi::Error::InvalidArgument("greedy_head: at most 4 rows");
   if (R == 0 || V == 0) return ffi::Error::Success();
 
   Weights W;
@@ -105,11 +101,7 @@ ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t block = round_up(std::max<int64_t>(kStrip, (V + 24 * threads - 1) / (24 * threads)), kStrip);
   parallel_for<NoState>(
       pool, (V + block - 1) / block, [] { return std::make_unique<NoState>(); },
-      [&](int64_t i, NoState&) {
-        const int64_t n0 = i * block, n1 = std::min(V, (i + 1) * block);
-        for (int64_t r = 0; r < R; r += kGemvRows)  // the int8 GEMV takes up to kGemvRows rows a pass
-          gemv_rows(std::min<int64_t>(kGemvRows, R - r), K, xp + r * K, Q, out + r * V, n0, n1);
-      },
+      [&](int64_t i, NoState&) { gemv_rows(R, K, xp, Q, out, i * block, std::min(V, (i + 1) * block)); },
       /*spin=*/true);
   std::vector<int32_t> candidates;
   for (int64_t r = 0; r < R; ++r) finish_row(xp + r * K, K, W, coeff.typed_data(), V, out + r * V, candidates);

@@ -20,7 +20,7 @@ import numpy as np
 from tokenmill.ops.cpu.build import GREEDY_HEAD, load
 from tokenmill.ops.cpu.linear import STRIP
 
-MAX_ROWS = 8  # rows the kernel screens at most (greedy_head.cc's kMaxRows; more rows are compute-bound)
+MAX_ROWS = 4  # rows the kernel screens at most: gemm.h's kGemvRows (more are compute-bound anyway)
 _U = 2.0**-24  # float32's unit roundoff
 _SLACK = 1e-3  # c_v's relative margin for the float32 arithmetic of the bound itself
 
