@@ -4,8 +4,8 @@
 //   logits[r] = x[r] . W   (x [R, K] float32, W the float32 head in strips [1, V / 32, K, 32])
 //
 // for the argmax only: every value that could be the row's largest is W's exact float32 logit, the
-// very bits the linear kernel computes (one FMA chain over k = 0, 1, ..., as its GEMV and GEMM do),
-// and every other value is below the row's largest. Decoding one stream reads the whole head per
+// very bits the linear kernel computes (its GEMV, on that value's strip), and every other value is
+// below the row's largest. Decoding one stream reads the whole head per
 // token (SmolLM2: 113 MB of its 540); here the row is first screened through an int8 copy of the head
 // (Q [1, V / 32, K, 32], one scale per column, 28 MB), whose error against W's float32 logit is bounded:
 //
@@ -35,14 +35,6 @@ namespace {
 // the candidates' columns, each 32 floats apart, are gathered).
 constexpr int64_t kMaxCandidates = 4096;
 
-// z_v: x . W[:, v] as the linear kernel computes it, one FMA chain in k order from +0
-float exact_logit(const float* x, int64_t K, const Weights& W, int64_t v) {
-  const float* column = W.strip_at(0, v);  // row k at column[k * kStrip]
-  float acc = 0.f;
-  for (int64_t k = 0; k < K; ++k) acc = lane_fma(x[k], column[k * kStrip], acc);
-  return acc;
-}
-
 // Row r of the logits, its screened values a already in `row`
 void finish_row(const float* x, int64_t K, const Weights& W, const float* coeff, int64_t V, float* row,
                 std::vector<int32_t>& candidates) {
@@ -61,7 +53,16 @@ void finish_row(const float* x, int64_t K, const Weights& W, const float* coeff,
     return;
   }
   for (int64_t v = 0; v < V; ++v) row[v] -= norm * coeff[v];
-  for (const int32_t v : candidates) row[v] = exact_logit(x, K, W, v);
+  // each candidate's strip by the linear kernel's own GEMV (the same bits as the whole head's), one
+  // contiguous read a strip (the candidates come in ascending order)
+  float strip[kStrip];
+  int64_t read = -1;
+  for (const int32_t v : candidates) {
+    const int64_t n0 = v / kStrip * kStrip;
+    if (n0 != read) gemv_rows(1, K, x, W.columns_from(n0), strip, 0, kStrip);
+    read = n0;
+    row[v] = strip[v - n0];
+  }
 }
 
 ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
