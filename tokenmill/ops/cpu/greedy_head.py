@@ -36,20 +36,19 @@ def screen_head(strips: jax.Array) -> dict[str, jax.Array]:
     one scale per column (f32[V]) and the bound's per-column factor `coeff` (f32[V]):
     coeff_v >= |q_v - w_v|_2 + 4 gamma_K (|q_v|_2 + |w_v|_2), q_v the column as the kernel dequantizes
     it (code * scale in float32), gamma_K = K u / (1 - K u) (an FMA chain's rounding over K terms)."""
-    _, n_strips, K, _ = strips.shape
-    w = jnp.transpose(strips[0], (1, 0, 2)).reshape(K, n_strips * STRIP)  # [K, V]
-    scale = jnp.max(jnp.abs(w), axis=0) / 127
+    K = strips.shape[2]
+    w = strips[0]  # [V / 32, K, 32]: column v is lane v % 32 of strip v // 32, its k along axis 1
+    scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127
     scale = jnp.where(scale > 0, scale, 1.0)
     codes = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
     dequantized = codes.astype(jnp.float32) * scale
     gamma = K * _U / (1 - K * _U)
 
     def norm(a):  # |a|_2 per column, rounded up past float32's own error
-        return jnp.sqrt(jnp.sum(a * a, axis=0)) * (1 + 2 * K * _U)
+        return jnp.sqrt(jnp.sum(a * a, axis=1)) * (1 + 2 * K * _U)
 
     coeff = (norm(dequantized - w) + 4 * gamma * (norm(dequantized) + norm(w))) * (1 + _SLACK)
-    q = jnp.transpose(codes.reshape(K, n_strips, STRIP), (1, 0, 2))[None]
-    return {"q": q, "scale": scale, "coeff": coeff}
+    return {"q": codes[None], "scale": scale.reshape(-1), "coeff": coeff.reshape(-1)}
 
 
 def greedy_logits(x: jax.Array, strips: jax.Array, screen: dict[str, jax.Array]) -> jax.Array:
