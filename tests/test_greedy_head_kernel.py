@@ -65,8 +65,8 @@ def test_near_ties_keep_the_first_maximum():
 
 
 def test_rows_it_cannot_screen_get_every_float32_logit():
-    """A row of zeros ties every column (more candidates than the kernel screens for), and a row with a
-    NaN has no finite bound: both come out as the float32 head's logits, bit for bit."""
+    """A row of zeros ties every column, and a row with a NaN has no finite bound: both come out as the
+    float32 head's logits, bit for bit."""
     x = np.zeros((3, K), np.float32)
     x[1] = np.random.default_rng(3).standard_normal(K)
     x[2, 5] = np.nan

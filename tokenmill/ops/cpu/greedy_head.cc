@@ -15,7 +15,7 @@
 // bounding an FMA chain's rounding; greedy_head.py computes c with slack for the float32 arithmetic
 // here). With L the row's largest a_v - |x| c_v, a column can hold the maximum only if a_v + |x| c_v >= L:
 // those columns get z_v, the others a_v - |x| c_v < L <= max z. A row whose bound is not finite, or
-// with more than kMaxCandidates candidates, gets every z_v.
+// with more than kMaxCandidates candidates, gets every z_v; a row of zeros, zeros.
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +41,10 @@ void finish_row(const float* x, int64_t K, const Weights& W, const float* coeff,
   double sum = 0;
   for (int64_t k = 0; k < K; ++k) sum += double(x[k]) * x[k];
   const float norm = float(std::sqrt(sum) * (1 + 1e-4));
+  if (norm == 0) {  // every FMA chain of zeros is +0 (for finite W): no need to read W at all
+    std::fill(row, row + V, 0.f);
+    return;
+  }
   float lower = -INFINITY;
   for (int64_t v = 0; v < V; ++v) lower = std::max(lower, row[v] - norm * coeff[v]);
   candidates.clear();
