@@ -20,7 +20,10 @@ import numpy as np
 from tokenmill.ops.cpu.build import GREEDY_HEAD, load
 from tokenmill.ops.cpu.linear import STRIP
 
-MAX_ROWS = 4  # rows the kernel screens at most: gemm.h's kGemvRows (more are compute-bound anyway)
+# rows the kernel screens at most (gemm.h's kGemvRows): at 5 and 8 rows two passes over the int8 copy,
+# bound by converting its codes, took longer than the float32 GEMV over the whole head (3.4 / 4.9 ms
+# against 2.9 / 3.3 on SmolLM2, Zen 4)
+MAX_ROWS = 4
 _U = 2.0**-24  # float32's unit roundoff
 _SLACK = 1e-3  # c_v's relative margin for the float32 arithmetic of the bound itself
 
