@@ -19,6 +19,7 @@ import numpy as np
 
 from tokenmill.ops.cpu.build import GREEDY_HEAD, load
 from tokenmill.ops.cpu.linear import STRIP
+from tokenmill.ops.quantization import dequantize, quantize_windows
 
 # rows the kernel screens at most (gemm.h's kGemvRows): at 5 and 8 rows two passes over the int8 copy,
 # bound by converting its codes, took longer than the float32 GEMV over the whole head (3.4 / 4.9 ms
@@ -41,10 +42,8 @@ def screen_head(strips: jax.Array) -> dict[str, jax.Array]:
     it (code * scale in float32), gamma_K = K u / (1 - K u) (an FMA chain's rounding over K terms)."""
     K = strips.shape[2]
     w = strips[0]  # [V / 32, K, 32]: column v is lane v % 32 of strip v // 32, its k along axis 1
-    scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127
-    scale = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-    dequantized = codes.astype(jnp.float32) * scale
+    codes, scale = quantize_windows(w, jnp.int8, K, reduction_axis=1)  # scale [V / 32, 32]
+    dequantized = dequantize(codes, scale, K, 1, jnp.float32)
     gamma = K * _U / (1 - K * _U)
 
     def norm(a):  # |a|_2 per column, rounded up past float32's own error
