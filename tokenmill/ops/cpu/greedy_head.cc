@@ -49,14 +49,16 @@ void finish_row(const float* x, int64_t K, const Weights& W, const float* coeff,
   for (int64_t v = 0; v < V; ++v) lower = std::max(lower, row[v] - norm * coeff[v]);
   candidates.clear();
   if (std::isfinite(norm) && std::isfinite(lower)) {
-    for (int64_t v = 0; v < V && int64_t(candidates.size()) <= kMaxCandidates; ++v)
-      if (row[v] + norm * coeff[v] >= lower) candidates.push_back(int32_t(v));
+    for (int64_t v = 0; v < V; ++v) {  // the candidates; every value down to its lower bound
+      const float margin = norm * coeff[v];
+      if (row[v] + margin >= lower) candidates.push_back(int32_t(v));
+      row[v] -= margin;
+    }
   }
   if (candidates.empty() || int64_t(candidates.size()) > kMaxCandidates) {
     gemv_rows(1, K, x, W, row, 0, V);  // every z_v (on this thread: a rare row)
     return;
   }
-  for (int64_t v = 0; v < V; ++v) row[v] -= norm * coeff[v];
   // each candidate's strip by the linear kernel's own GEMV (the same bits as the whole head's), one
   // contiguous read a strip (the candidates come in ascending order)
   float strip[kStrip];

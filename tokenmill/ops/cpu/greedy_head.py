@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tokenmill.ops.cpu.build import GREEDY_HEAD, load
 from tokenmill.ops.cpu.linear import STRIP
@@ -60,10 +59,3 @@ def greedy_logits(x: jax.Array, strips: jax.Array, screen: dict[str, jax.Array])
         raise ValueError(f"greedy_logits: at most {MAX_ROWS} rows, got {x.shape[0]}")
     out = jax.ShapeDtypeStruct((x.shape[0], strips.shape[1] * STRIP), jnp.float32)
     return jax.ffi.ffi_call(GREEDY_HEAD.target, out)(x, strips, screen["q"], screen["scale"], screen["coeff"])
-
-
-def reference_bound(x: np.ndarray, screen: dict[str, jax.Array]) -> np.ndarray:
-    """|x|_2 * coeff as float64 [R, V]: how far the screened values may lie from the float32 logits
-    (for tests)."""
-    norms = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=1, keepdims=True))
-    return norms * np.asarray(screen["coeff"], np.float64)[None]
