@@ -9,11 +9,11 @@
 // 540); here each row is first screened through an int8 copy of the head (Q [1, V / 32, K, 32], one
 // scale per column, 28 MB), whose error against W's float32 logit is bounded:
 //
-//   |a_v - z_v| <= |x|_2 * c_v,  c_v >= |q_v - w_v|_2 + 2 gamma_K (|q_v|_2 + |w_v|_2)
+//   |a_v - z_v| <= |x|_2 * c_v,  c_v >= |q_v - w_v|_2 + gamma_K (|q_v|_2 + |w_v|_2)
 //
 // (a_v the screened value, z_v the float32 logit, q_v the dequantized column, gamma_K = K u / (1 - K u)
-// bounding an FMA chain's rounding; greedy_head.py computes c with slack for the float32 arithmetic
-// here). With L the row's largest a_v - |x| c_v, a column can hold the maximum only if a_v + |x| c_v >= L:
+// bounding each of the two FMA chains' rounding; greedy_head.py computes c with four times that gamma
+// term and slack for the float32 arithmetic of the bound itself). With L the row's largest a_v - |x| c_v, a column can hold the maximum only if a_v + |x| c_v >= L:
 // those columns get z_v, the others a_v - |x| c_v < L <= max z. A row whose bound is not finite, or
 // with more than kMaxCandidates candidates, gets every z_v; a row of zeros, zeros.
 
