@@ -242,9 +242,17 @@ def test_bfloat16(dtype):
     out, ref = both(q, kc, vc, 1, md, 0.125, None)
     # the reference rounds the probabilities to bf16 before P·V; the kernel keeps them in fp32
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    # float32 queries over a bf16 cache (a float32 model with --kv-cache-dtype bfloat16): the reference
+    # keeps the probabilities in float32 too, so only the order of the sums differs
     q32 = q.astype(jnp.float32)
-    out32, _ = both(q32, kc, vc, 1, md, 0.125, None)  # fp32 queries over a bf16 cache
+    out32, ref32 = both(q32, kc, vc, 1, md, 0.125, None)
+    np.testing.assert_allclose(out32, ref32, **TOL)
     np.testing.assert_allclose(out32, ref, rtol=2e-2, atol=2e-2)
+    # the same cache held as its bits (how the model runner keeps a bfloat16 cache on CPU): the same results
+    bits = [jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (kc, vc)]
+    out_bits, ref_bits = both(q32, *bits, 1, md, 0.125, None)
+    np.testing.assert_array_equal(out_bits, out32)
+    np.testing.assert_array_equal(ref_bits, ref32)
 
 
 def test_inside_scan_with_traced_layer():

@@ -202,6 +202,9 @@ def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -209,6 +212,13 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.3
     num_blocks: int | None = None  # overrides the memory budget (tests)
+    # the caches' element type: "auto" = the compute dtype; "bfloat16" halves a float32 model's KV bytes
+    # (what decode attention reads each step; llama.cpp keeps its cache in 16 bits by default too)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

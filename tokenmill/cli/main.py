@@ -16,6 +16,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache's element type (auto: the model's compute dtype); bfloat16 halves a float32 "
+                        "model's cache, and the bytes decode attention reads each step")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2", "w8a16", "w8a16_int", "gguf",
                                                                   "gguf_int"],
                    help="store the projections and the LM head in 8 bits (quantized at load time, one scale "

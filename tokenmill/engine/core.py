@@ -22,7 +22,7 @@ from tokenmill.model.quantize import (
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.compilation_cache import enable_compilation_cache
 from tokenmill.worker.memory import free_device_memory
-from tokenmill.worker.model_runner import ModelRunner, compute_dtype, kv_block_bytes
+from tokenmill.worker.model_runner import ModelRunner, kv_block_bytes, kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def determine_num_blocks(config: EngineConfig, model: LoadedModel) -> int:
     cache, sched = config.cache, config.scheduler
     if cache.num_blocks is not None:
         return cache.num_blocks
-    block_bytes = kv_block_bytes(model, cache.block_size, compute_dtype(config.dtype))
+    block_bytes = kv_block_bytes(model, cache.block_size, kv_cache_dtype(cache.kv_cache_dtype, config.dtype))
     budget = cache.kv_cache_memory
     if budget is None:
         budget = int(free_device_memory() * cache.kv_cache_memory_fraction)
@@ -109,9 +109,9 @@ class EngineCore:
             )
         block_size = config.cache.block_size
         logger.info(
-            "KV cache: %d blocks = %d tokens; max concurrency %.1fx at max_model_len %d",
-            num_blocks, num_blocks * block_size, (num_blocks - 1) * block_size / sched.max_model_len,
-            sched.max_model_len,
+            "KV cache: %d blocks = %d tokens of %s; max concurrency %.1fx at max_model_len %d",
+            num_blocks, num_blocks * block_size, kv_cache_dtype(config.cache.kv_cache_dtype, config.dtype).name,
+            (num_blocks - 1) * block_size / sched.max_model_len, sched.max_model_len,
         )
         if not on_ray:  # the Ray workers have built and compiled theirs
             self.runner = ModelRunner(self.model, sched, config.cache, num_blocks, config.dtype, mesh=mesh)

@@ -23,6 +23,11 @@ import jax.numpy as jnp
 
 from tokenmill import envs
 
+# A bfloat16 cache on CPU is held as its bits in uint16 arrays: XLA:CPU scatters into a bfloat16 array
+# by converting the whole of it (SmolLM2's cache of 8193 blocks, copied each layer: ~2 s a decode
+# step), while a uint16 scatter writes in place. The kernel reads the bits as bfloat16.
+BFLOAT16_BITS = jnp.dtype(jnp.uint16)
+
 # Masked scores use a finite floor so that fully masked (padding) rows stay finite.
 _MASK_VALUE = -1e30
 # Tokens are processed in tiles of this many so the gathered context stays bounded in memory.
@@ -60,14 +65,31 @@ def select_rows(md: AttentionMetadata, rows: OutputRows) -> AttentionMetadata:
     )
 
 
+def cache_storage_dtype(dtype) -> jnp.dtype:
+    """The array dtype that holds a KV cache of `dtype` on this backend (BFLOAT16_BITS for bfloat16 on CPU)."""
+    dtype = jnp.dtype(dtype)
+    return BFLOAT16_BITS if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
+
+
+def cache_values(x: jax.Array) -> jax.Array:
+    """Entries read from a cache, as their values (bfloat16 bits viewed as bfloat16)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BFLOAT16_BITS else x
+
+
+def _to_cache(x: jax.Array, cache_dtype) -> jax.Array:
+    if cache_dtype == BFLOAT16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BFLOAT16_BITS)
+    return x.astype(cache_dtype)
+
+
 def write_kv(
     k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's K/V ([T, kv_heads, head_dim]) into layer `layer` of the caches."""
     block_size = k_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache = k_cache.at[layer, blocks, offsets].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, blocks, offsets].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[layer, blocks, offsets].set(_to_cache(k, k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, blocks, offsets].set(_to_cache(v, v_cache.dtype), mode="drop")
     return k_cache, v_cache
 
 
@@ -124,8 +146,8 @@ def paged_attention_ref(
     def attend(args):
         q_t, pos_t, req_t = args
         tables = md.block_tables[req_t]  # [tile, max_blocks]
-        k = k_cache[layer, tables]  # [tile, max_blocks, block_size, kv_heads, head_dim]
-        v = v_cache[layer, tables]
+        k = cache_values(k_cache[layer, tables])  # [tile, max_blocks, block_size, kv_heads, head_dim]
+        v = cache_values(v_cache[layer, tables])
         # [tile, kv_heads, context, head_dim]: batch dims leading, in the same order on both
         # operands, measured ~3x faster than an einsum with the context axis in between on XLA:CPU
         k = k.reshape(tile, -1, kv_heads, head_dim).transpose(0, 2, 1, 3)
@@ -146,8 +168,11 @@ def paged_attention_ref(
             top = jnp.maximum(scores.max(-1), sink)[..., None]
             e = jnp.exp(scores - top)
             probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink[..., None] - top))
+        # probabilities in the wider of q's and the cache's types: a float32 model over a bfloat16
+        # cache keeps them in float32, as the kernel does
         out = jax.lax.dot_general(
-            probs.astype(v.dtype), v, (((3,), (2,)), batch), preferred_element_type=jnp.float32
+            probs.astype(jnp.promote_types(q.dtype, v.dtype)), v, (((3,), (2,)), batch),
+            preferred_element_type=jnp.float32,
         )
         return out.reshape(tile, num_heads, head_dim).astype(q.dtype)
 

@@ -29,7 +29,7 @@ from tokenmill.core.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed.mesh import make_mesh
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.registry import get_model_module
-from tokenmill.ops.attention import AttentionMetadata, OutputRows
+from tokenmill.ops.attention import AttentionMetadata, OutputRows, cache_storage_dtype
 from tokenmill.ops.cpu.lazy_zeros import zeros as lazy_zeros
 from tokenmill.ops.sampler import SamplerOutput, compute_prompt_logprobs, sample
 from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
@@ -96,6 +96,11 @@ def _padded(a: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
     return out
 
 
+def kv_cache_dtype(kv_cache_dtype: str, dtype: str = "auto"):
+    """The KV caches' dtype: `kv_cache_dtype`, or the compute dtype for "auto"."""
+    return jnp.dtype(compute_dtype(dtype) if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
 def kv_block_bytes(model: LoadedModel, block_size: int, dtype) -> int:
     cfg = model.config
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
@@ -131,6 +136,8 @@ class ModelRunner:
         self.module = get_model_module(self.cfg)
         self.mesh = mesh or make_mesh(1)
         self.dtype = compute_dtype(dtype)
+        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, dtype)
+        kv_storage = cache_storage_dtype(self.kv_dtype)
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = scheduler_config.max_model_len
@@ -151,11 +158,11 @@ class ModelRunner:
         self.params = self.module.to_kernel_layout(self.params, self.mesh, int16=self.cfg.int16_inputs)
         cache_shape = (self.cfg.num_layers, num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
-        self.k_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)
-        self.v_cache = lazy_zeros(cache_shape, self.dtype, cache_sharding)
+        self.k_cache = lazy_zeros(cache_shape, kv_storage, cache_sharding)
+        self.v_cache = lazy_zeros(cache_shape, kv_storage, cache_sharding)
         # what compiling a step needs of the params and caches: the caches are donated to every
         # step, so a compile on the precompiling thread must not touch the arrays themselves
-        cache_spec = jax.ShapeDtypeStruct(cache_shape, self.dtype, sharding=cache_sharding)
+        cache_spec = jax.ShapeDtypeStruct(cache_shape, kv_storage, sharding=cache_sharding)
         self._step_operand_specs = (
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params),
             cache_spec,

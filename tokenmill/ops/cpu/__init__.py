@@ -25,6 +25,7 @@ __all__ = ["available", "build_error", "paged_attention", "usable_for"]
 
 _NO_WINDOW = int(np.iinfo(np.int32).max)  # reaches every position: no window
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_CACHE_DTYPES = (*_DTYPES, jnp.dtype(jnp.uint16))  # uint16: bfloat16 bits (attention.BFLOAT16_BITS)
 _MODEL_AXIS = "model"
 
 
@@ -42,7 +43,7 @@ def _model_axis_size() -> int:
 
 def usable_for(q: jax.Array, k_cache: jax.Array) -> bool:
     """Whether `auto` should take the kernel for these operands (assumes the platform is CPU)."""
-    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_cache.dtype) not in _DTYPES:
+    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_cache.dtype) not in _CACHE_DTYPES:
         return False
     if q.ndim != 3 or k_cache.ndim != 5 or q.shape[1] % k_cache.shape[3] or q.shape[2] != k_cache.shape[4]:
         return False

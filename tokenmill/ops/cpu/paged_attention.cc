@@ -901,7 +901,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pb.token_request = token_request.typed_data();
   pb.block_tables = block_tables.typed_data();
 
-  const auto qt = q.element_type(), kt = k_cache.element_type();
+  const auto qt = q.element_type();
+  auto kt = k_cache.element_type();
+  if (kt == ffi::DataType::U16) kt = ffi::DataType::BF16;  // bfloat16 bits (ops/attention.py: BFLOAT16_BITS)
   const void* qp = q.untyped_data();
   const void* kp = k_cache.untyped_data();
   const void* vp = v_cache.untyped_data();
