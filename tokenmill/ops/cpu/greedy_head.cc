@@ -13,9 +13,10 @@
 //
 // (a_v the screened value, z_v the float32 logit, q_v the dequantized column, gamma_K = K u / (1 - K u)
 // bounding each of the two FMA chains' rounding; greedy_head.py computes c with four times that gamma
-// term and slack for the float32 arithmetic of the bound itself). With L the row's largest a_v - |x| c_v, a column can hold the maximum only if a_v + |x| c_v >= L:
-// those columns get z_v, the others a_v - |x| c_v < L <= max z. A row whose bound is not finite, or
-// with more than kMaxCandidates candidates, gets every z_v; a row of zeros, zeros.
+// term and slack for the float32 arithmetic of the bound itself). With L the row's largest
+// a_v - |x| c_v, a column can hold the maximum only if a_v + |x| c_v >= L: those columns get z_v, the
+// others a_v - |x| c_v < L <= max z. A row whose bound is not finite, or with more than kMaxCandidates
+// candidates, gets every z_v; a row of zeros, zeros.
 
 #include <algorithm>
 #include <cmath>
