@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.logprobs_check import close_logprobs
+from tests.smaps import mapping_of, needs_thp, whole_pages
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.loader import load_model
 
@@ -150,3 +151,12 @@ def test_greedy_head_gives_the_float32_heads_tokens(llm, alone):
         assert out.token_ids == expected[i], f"prompt {i}"
         for token, lp in zip(out.token_ids, out.logprobs):
             assert max(lp.items(), key=lambda kv: kv[1].logprob)[0] == token
+
+
+@needs_thp
+def test_weights_end_on_huge_pages(llm):
+    """Once the engine has compiled its buckets, its float32 projections lie on 2 MiB pages
+    (worker/huge_pages.py), where a decode step streams them faster."""
+    llm.engine.wait_precompiled()
+    first, length = whole_pages(llm.engine.runner.params["layers"]["w_gate_up"])
+    assert length > 0 and mapping_of(first)["AnonHugePages"] >= length

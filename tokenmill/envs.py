@@ -62,6 +62,12 @@ VARIABLES: dict[str, _Var] = {
         "float32 LM head on CPU: a greedy step with no logprobs screens its rows (up to 4) through an int8 copy of the head "
         "and computes only the float32 logits that could be the largest (the same argmax; +28 MB for SmolLM2)",
     ),
+    "TOKENMILL_HUGE_PAGES": _Var(
+        _bool,
+        True,
+        "CPU on Linux: move the weights onto 2 MiB pages once they are placed (MADV_HUGEPAGE + MADV_COLLAPSE, on a "
+        "thread) and ask for them for the KV cache; a decode step streams its weights faster (0: the allocator's pages)",
+    ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,
         "auto",

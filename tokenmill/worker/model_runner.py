@@ -33,6 +33,7 @@ from tokenmill.ops.attention import AttentionMetadata, OutputRows, cache_storage
 from tokenmill.ops.cpu.lazy_zeros import zeros as lazy_zeros
 from tokenmill.ops.sampler import SamplerOutput, compute_prompt_logprobs, sample
 from tokenmill.worker.buckets import block_buckets, pick_bucket, pow2_at_least, token_buckets
+from tokenmill.worker.huge_pages import ask_for_huge_pages, move_to_huge_pages
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampling_metadata import build_sampling_metadata, round_num_logprobs
 
@@ -160,6 +161,10 @@ class ModelRunner:
         cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
         self.k_cache = lazy_zeros(cache_shape, kv_storage, cache_sharding)
         self.v_cache = lazy_zeros(cache_shape, kv_storage, cache_sharding)
+        # 2 MiB pages: the weights' moved on a thread (waited for by wait_precompiled), the cache's
+        # asked for as its pages are first written
+        self._huge_pages = move_to_huge_pages(self.params, "weights")
+        ask_for_huge_pages((self.k_cache, self.v_cache))
         # what compiling a step needs of the params and caches: the caches are donated to every
         # step, so a compile on the precompiling thread must not touch the arrays themselves
         cache_spec = jax.ShapeDtypeStruct(cache_shape, kv_storage, sharding=cache_sharding)
@@ -244,9 +249,12 @@ class ModelRunner:
             self._precompile_all()
 
     def wait_precompiled(self) -> None:
-        """Block until precompilation (if it runs in the background) is over."""
+        """Block until precompilation (if it runs in the background) is over, and the weights are on
+        2 MiB pages (where they go there)."""
         if self._precompiler is not None:
             self._precompiler.join()
+        if self._huge_pages is not None:
+            self._huge_pages.join()
 
     def precompiling(self) -> bool:
         return self._precompiler is not None and self._precompiler.is_alive()
