@@ -65,8 +65,8 @@ VARIABLES: dict[str, _Var] = {
     "TOKENMILL_HUGE_PAGES": _Var(
         _bool,
         True,
-        "CPU on Linux: move the weights onto 2 MiB pages once they are placed (MADV_HUGEPAGE + MADV_COLLAPSE, on a "
-        "thread) and ask for them for the KV cache; a decode step streams its weights faster (0: the allocator's pages)",
+        "CPU on Linux: move the weights onto 2 MiB pages once the buckets have compiled (MADV_HUGEPAGE + MADV_COLLAPSE) "
+        "and ask for them for the KV cache; a decode step streams its weights faster (0: the allocator's pages)",
     ),
     "TOKENMILL_MOE_BACKEND": _Var(
         str.lower,

@@ -3,10 +3,11 @@
 A decode step reads every weight once, hundreds of MB a token, and on 4 KiB pages that stream
 crosses a page every 4 KiB: a TLB miss each time, and the hardware prefetchers, which do not follow
 a stream across a page, start over. XLA allocates its buffers without asking for transparent huge
-pages, and with THP in its usual "madvise" mode Linux gives them only to memory that asks. So once
-the weights are placed, each buffer's whole 2 MiB pages are marked MADV_HUGEPAGE and collapsed at
-once with MADV_COLLAPSE (Linux 6.1; before it, khugepaged collapses marked memory in its own time),
-on a thread, while the engine already serves (SmolLM2's 540 MB: about a second). The KV cache, whose
+pages, and with THP in its usual "madvise" mode Linux gives them only to memory that asks. So the
+model runner, once its buckets have compiled (on the precompiling thread, while the engine already
+serves), marks each weight buffer's whole 2 MiB pages MADV_HUGEPAGE and collapses them at once with
+MADV_COLLAPSE (Linux 6.1; before it, khugepaged collapses marked memory in its own time): SmolLM2's
+540 MB take about a second. Not sooner: on two cores it slowed the first token. The KV cache, whose
 pages are not there until first written (ops/cpu/lazy_zeros.cc), is only marked: its pages come as
 2 MiB ones when written, where the kernel has 2 MiB free at that moment.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-import threading
 import time
 
 import jax
@@ -90,26 +90,21 @@ def ask_for_huge_pages(arrays) -> int:
     return advise(cpu_buffers(arrays), collapse=False)[0]
 
 
-def move_to_huge_pages(arrays, what: str) -> threading.Thread | None:
-    """Move `arrays`' CPU buffers onto 2 MiB pages on a daemon thread (returned; None when there
-    is nothing to do: TOKENMILL_HUGE_PAGES=0, not Linux, no CPU buffer of a huge page or more)."""
-    if not envs.TOKENMILL_HUGE_PAGES or _libc() is None:
-        return None
+def move_to_huge_pages(arrays, what: str) -> int:
+    """Move `arrays`' CPU buffers onto 2 MiB pages now (logged, as `what`); returns the bytes marked
+    (0: TOKENMILL_HUGE_PAGES=0, not Linux, or no CPU buffer of a huge page or more)."""
+    if not envs.TOKENMILL_HUGE_PAGES:
+        return 0
     buffers = cpu_buffers(arrays)
     if not buffers:
-        return None
-
-    def run():
-        start = time.perf_counter()
-        advised, collapse_errno = advise(buffers)
-        total = sum(b.nbytes for b in buffers)
-        if collapse_errno is None:
-            logger.info("%s on 2 MiB pages: %.0f of %.0f MiB in %.1f s", what, advised / 2**20, total / 2**20,
-                        time.perf_counter() - start)
-        else:
-            logger.info("%s: %.0f of %.0f MiB marked for 2 MiB pages; collapsing them now failed (errno %d), "
-                        "khugepaged will in its own time", what, advised / 2**20, total / 2**20, collapse_errno)
-
-    thread = threading.Thread(target=run, name="tokenmill-huge-pages", daemon=True)
-    thread.start()
-    return thread
+        return 0
+    start = time.perf_counter()
+    advised, collapse_errno = advise(buffers)
+    total = sum(b.nbytes for b in buffers)
+    if collapse_errno is None:
+        logger.info("%s on 2 MiB pages: %.0f of %.0f MiB in %.1f s", what, advised / 2**20, total / 2**20,
+                    time.perf_counter() - start)
+    else:
+        logger.info("%s: %.0f of %.0f MiB marked for 2 MiB pages; collapsing them now failed (errno %d), "
+                    "khugepaged will in its own time", what, advised / 2**20, total / 2**20, collapse_errno)
+    return advised

@@ -161,10 +161,7 @@ class ModelRunner:
         cache_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
         self.k_cache = lazy_zeros(cache_shape, kv_storage, cache_sharding)
         self.v_cache = lazy_zeros(cache_shape, kv_storage, cache_sharding)
-        # 2 MiB pages: the weights' moved on a thread (waited for by wait_precompiled), the cache's
-        # asked for as its pages are first written
-        self._huge_pages = move_to_huge_pages(self.params, "weights")
-        ask_for_huge_pages((self.k_cache, self.v_cache))
+        ask_for_huge_pages((self.k_cache, self.v_cache))  # as its pages are first written (the weights': precompile)
         # what compiling a step needs of the params and caches: the caches are donated to every
         # step, so a compile on the precompiling thread must not touch the arrays themselves
         cache_spec = jax.ShapeDtypeStruct(cache_shape, kv_storage, sharding=cache_sharding)
@@ -237,24 +234,26 @@ class ModelRunner:
     def precompile(self, background: bool = False) -> None:
         """Compile every bucket, so that serving never stops to compile: now, or on a thread while
         the engine already serves (`background`; a step whose shape is not compiled yet compiles
-        it first, and the first token does not wait for the other shapes)."""
+        it first, and the first token does not wait for the other shapes). Then move the weights
+        onto 2 MiB pages (worker/huge_pages.py): after the compiles, so that neither they nor the
+        first tokens share the cores with it."""
         if envs.TOKENMILL_SKIP_PRECOMPILE:
             logger.info("skipping precompilation (TOKENMILL_SKIP_PRECOMPILE=1)")
             self._finish_warm_up()
-        elif background:
-            self._precompiler = threading.Thread(target=self._precompile_all, name="tokenmill-precompile", daemon=True)
+            work = self._weights_to_huge_pages
+        else:
+            work = self._precompile_all
+        if background:
+            self._precompiler = threading.Thread(target=work, name="tokenmill-precompile", daemon=True)
             self._precompiler.start()
             _PRECOMPILING.add(self)
         else:
-            self._precompile_all()
+            work()
 
     def wait_precompiled(self) -> None:
-        """Block until precompilation (if it runs in the background) is over, and the weights are on
-        2 MiB pages (where they go there)."""
+        """Block until precompilation (if it runs in the background) is over."""
         if self._precompiler is not None:
             self._precompiler.join()
-        if self._huge_pages is not None:
-            self._huge_pages.join()
 
     def precompiling(self) -> bool:
         return self._precompiler is not None and self._precompiler.is_alive()
@@ -283,6 +282,10 @@ class ModelRunner:
             len(self.token_buckets), len(self.block_buckets), time.perf_counter() - start,
         )
         self._finish_warm_up()
+        self._weights_to_huge_pages()
+
+    def _weights_to_huge_pages(self) -> None:
+        move_to_huge_pages(self.params, "weights")
 
     def _finish_warm_up(self) -> None:
         self._sampler_compiled = self._sampler_cache_size()
