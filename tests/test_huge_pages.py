@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import SingleDeviceSharding
 
 from tests.smaps import mapping_of, needs_thp, whole_pages
