@@ -269,8 +269,7 @@ async def serve(args) -> int:
         engine_args = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                            dtype=args.dtype, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-                           async_scheduling=args.async_scheduling)
-        engine_args["kv_cache_dtype"] = args.kv_cache_dtype
+                           async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
         if args.kv_cache_memory is not None:
             engine_args["kv_cache_memory"] = args.kv_cache_memory
         engine_args.update(tensor_parallel_size=args.tensor_parallel_size,

@@ -100,8 +100,7 @@ def latency(llm: LLM, input_len: int, output_len: int, reps: int, text: str | No
 
 def run(args) -> dict:
     engine_args = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
-    engine_args["kv_cache_dtype"] = args.kv_cache_dtype
+                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype)
     if args.kv_cache_memory is not None:
         engine_args["kv_cache_memory"] = args.kv_cache_memory
     engine_args.update(tensor_parallel_size=args.tensor_parallel_size,

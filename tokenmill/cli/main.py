@@ -8,6 +8,7 @@ import logging
 import sys
 
 from tokenmill import envs
+from tokenmill.config import KV_CACHE_DTYPES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -16,7 +17,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's element type (auto: the model's compute dtype); bfloat16 halves a float32 "
                         "model's cache, and the bytes decode attention reads each step")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2", "w8a16", "w8a16_int", "gguf",
