@@ -196,6 +196,33 @@ def test_a_token_gets_the_same_bits_in_a_tile_or_alone(group, head_dim, window, 
         np.testing.assert_array_equal(np.asarray(run(q[t:t + 1], alone))[0], together[t], err_msg=f"token {t}")
 
 
+@pytest.mark.parametrize("head_dim,window,dtype", [(64, None, np.float32), (64, 100, np.float32), (40, None, np.float32),
+                                                   (20, None, np.float32), (64, None, jnp.bfloat16)])
+def test_a_decode_token_gets_the_same_bits_alone_as_in_a_batch(head_dim, window, dtype):
+    """A decode token alone (or with one other) has each kv head's chunks of 64 keys spread over the
+    threads as separate items, their results folded after; in a batch of 16 one item runs all its chunks:
+    the same bits, with sinks too, for contexts of one to several chunks, windows, and bfloat16 caches."""
+    require_kernel()
+    rng = np.random.default_rng(head_dim + (window or 0))
+    contexts = [0, 1, 62, 63, 64, 65, 127, 128, 150, 200, 255, 256, 300, 17, 5, 90]
+    q, kc, vc, md = make_batch(rng, [(c, 1) for c in contexts], kv_heads=3, group=3, head_dim=head_dim,
+                               block_size=16, pad=0, dtype=dtype)
+    q = q.astype(jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(9) * 3, jnp.float32)
+    for s in (None, sinks):
+        run = jax.jit(lambda q, md, s=s: cpu.paged_attention(q, kc, vc, jnp.int32(1), md, scale=0.1,
+                                                             sliding_window=window, sinks=s))
+        together = np.asarray(run(q, md))
+        for t in range(len(contexts)):
+            for ts in (np.array([t]), np.array([t, (t + 5) % len(contexts)])):  # alone, and beside another
+                sub = AttentionMetadata(md.positions[ts], md.slot_mapping[ts], jnp.arange(len(ts), dtype=jnp.int32),
+                                        md.block_tables[np.asarray(md.token_request)[ts]])
+                np.testing.assert_array_equal(np.asarray(run(q[ts], sub))[0], together[t], err_msg=f"token {t}")
+        ref = np.asarray(jax.jit(lambda q, md, s=s: paged_attention_ref(q, kc, vc, jnp.int32(1), md, scale=0.1,
+                                                                         sliding_window=window, sinks=s))(q, md))
+        np.testing.assert_allclose(together, ref, **TOL)
+
+
 def test_traced_window_per_layer_like_gemma3():
     """The window is a traced scalar (Gemma 3 scans over a per-layer window array)."""
     require_kernel()

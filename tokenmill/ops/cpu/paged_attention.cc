@@ -4,12 +4,14 @@
 // attends to the keys of its request (row token_request[t] of block_tables) at context positions
 // p with p <= positions[t] and, with a window W, p > positions[t] - W. K/V rows are read in place
 // from the full cache [layers, num_blocks, block_size, kv_heads, head_dim] through the block
-// table: nothing is gathered. Online softmax over chunks of the context, fp32 accumulation;
-// per-head sink logits (gpt-oss) join each denominator at the end.
+// table: nothing is gathered. Softmax over chunks of 64 keys of the context, fp32 accumulation: each
+// chunk's max, sum and P . V on their own, folded into the running ones in order (fold_chunk); per-head
+// sink logits (gpt-oss) join each denominator at the end.
 // Query heads are grouped per KV head (GQA): one work item is a token and one or all of its kv
 // heads, or a tile of a prefill's consecutive tokens (attend_tile: each K and V row read once for all
-// of them, each token's result bit for bit what it gets alone), and the items are spread over XLA's
-// intra-op thread pool (parallel.h).
+// of them, each token's result bit for bit what it gets alone), or, where there are few tokens, one kv
+// head and one chunk of a token's keys (the split path: the chunks' results are folded after), and the
+// items are spread over XLA's intra-op thread pool (parallel.h).
 //
 // Index semantics follow jnp indexing (what the reference does): a negative layer / request /
 // block id wraps once, then it is clamped into range, so no input can read out of bounds. A token
@@ -396,6 +398,12 @@ struct Problem {
   float scale;
   const float* sinks;  // [H]: per-head logits in every softmax denominator (-inf: none)
   int64_t span;  // kv heads per work item (1 or KVH)
+  // the split path (else null): token t's kv heads times its chunks are items chunk_items[t] ..
+  // chunk_items[t + 1] - 1, and their results go to partials [T][max_chunks][H][2 + D] (each chunk's
+  // max, sum, then P . V)
+  const int64_t* chunk_items = nullptr;
+  float* partials = nullptr;
+  int64_t max_chunks = 0;
   const int32_t* positions;
   const int32_t* token_request;
   const int32_t* block_tables;
@@ -416,6 +424,7 @@ TM_INLINE Visible token_keys(const Problem& pb, int64_t t) {
 template <typename KT>
 struct Scratch {
   std::vector<float> q, acc, s, m, l;
+  std::vector<float> mc, lc, cacc;  // one chunk's max, sum and P . V, per query head
   std::vector<const KT*> kp, vp;  // slot pointers of the visible keys
   std::vector<const KT*> next_kp, next_vp;  // those of the item this thread runs next
   int64_t next_item = -1;  // that item (its slots are reused when it runs)
@@ -423,7 +432,8 @@ struct Scratch {
   int64_t next_fetched = 0;  // its first keys fetched ahead (their K and V rows)
   explicit Scratch(const Problem& pb)
       : q(pb.span * pb.G * pb.D), acc(pb.span * pb.G * pb.D), s(pb.span * pb.G * kChunk), m(pb.span * pb.G),
-        l(pb.span * pb.G), kp(kChunk), vp(kChunk), next_kp(kChunk), next_vp(kChunk) {}
+        l(pb.span * pb.G), mc(pb.span * pb.G), lc(pb.span * pb.G), cacc(pb.span * pb.G * pb.D), kp(kChunk),
+        vp(kChunk), next_kp(kChunk), next_vp(kChunk) {}
 };
 
 // The slots (all kv heads) of request `request`'s keys [vis.lo, vis.hi] in kp / vp, grown to fit.
@@ -444,22 +454,48 @@ static void slots_of(const Problem& pb, int64_t request, const Visible& vis, con
   }
 }
 
-// The keys item `item` sees: [lo, hi] (`uniform`: none, so every key, averaged), and the slot of each
-// (all kv heads) in kp / vp.
-template <typename KT>
-static Visible visible_slots(const Problem& pb, int64_t item, const KT* kc, const KT* vc, std::vector<const KT*>& kp,
-                             std::vector<const KT*>& vp) {
-  const int64_t t = item / (pb.KVH / pb.span);
+// What a work item covers: token t, kv heads [kh0, kh0 + span), and on the split path chunk `chunk` of
+// the token's keys (-1: all of them)
+struct ItemKeys {
+  int64_t t, kh0, chunk;
+};
+
+TM_INLINE ItemKeys item_keys(const Problem& pb, int64_t item) {
+  if (pb.chunk_items == nullptr) {
+    const int64_t per_token = pb.KVH / pb.span;
+    return {item / per_token, (item % per_token) * pb.span, -1};
+  }
+  int64_t t = 0;  // (few tokens)
+  while (pb.chunk_items[t + 1] <= item) ++t;
+  const int64_t chunks = (pb.chunk_items[t + 1] - pb.chunk_items[t]) / pb.KVH, rel = item - pb.chunk_items[t];
+  return {t, rel / chunks, rel % chunks};  // kv head by kv head, chunks in order
+}
+
+// The keys token t sees for its softmax: token_keys, or where it sees none (`uniform`) every key of its
+// block-table row, averaged (the reference's all-masked softmax is a plain mean)
+TM_INLINE Visible softmax_keys(const Problem& pb, int64_t t) {
   Visible vis = token_keys(pb, t);
-  vis.uniform = vis.lo > vis.hi;  // nothing visible: the reference's all-masked softmax is a plain mean
+  vis.uniform = vis.lo > vis.hi;
   if (vis.uniform) vis.lo = 0, vis.hi = pb.M * pb.B - 1;
-  slots_of(pb, pb.token_request[t], vis, kc, vc, kp, vp);
   return vis;
 }
 
-// l * alpha + h, the online softmax's running sum, rounded once where the target has FMA: spelled out,
-// so that softmax_step and softmax_step_lanes round it alike (a scalar a * b + c is the compiler's to
-// fuse or not, place by place)
+// The keys item `it` sees: [lo, hi] (`uniform`: none, so every key, averaged), and the slot of each
+// (all kv heads) in kp / vp.
+template <typename KT>
+static Visible visible_slots(const Problem& pb, const ItemKeys& it, const KT* kc, const KT* vc,
+                             std::vector<const KT*>& kp, std::vector<const KT*>& vp) {
+  Visible vis = softmax_keys(pb, it.t);
+  if (it.chunk >= 0) {
+    vis.lo += it.chunk * kChunk;
+    vis.hi = std::min(vis.hi, vis.lo + kChunk - 1);
+  }
+  slots_of(pb, pb.token_request[it.t], vis, kc, vc, kp, vp);
+  return vis;
+}
+
+// l * alpha + h, rounded once where the target has FMA: spelled out, so that every fold rounds alike (a
+// scalar a * b + c is the compiler's to fuse or not, place by place)
 TM_INLINE float rescaled_sum(float l, float alpha, float h) {
 #if defined(__FMA__)
   return std::fma(l, alpha, h);
@@ -468,11 +504,11 @@ TM_INLINE float rescaled_sum(float l, float alpha, float h) {
 #endif
 }
 
-// One chunk's step of the online softmax for one row of scores s[0 : padded) (padded a multiple of W,
-// masked scores -inf, at least one not): s becomes exp(s - m'), for m' the new running max, and the
-// running sum l and the accumulated P . V acc[0 : D) are rescaled to m'.
+// One chunk of one row's softmax, on its own: the scores s[0 : padded) (padded a multiple of W, masked
+// scores -inf) become exp(s - mc) for mc their max, and lc is their sum. A row with every score masked
+// (a tile's token whose keys ended before the chunk) gets mc = -inf, exp 0 and lc = 0.
 template <int W>
-TM_INLINE void softmax_step(float* s, int padded, float& m, float& l, float* acc, int64_t D) {
+TM_INLINE void chunk_softmax(float* s, int padded, float& mc, float& lc) {
   using V = typename Vec<W>::type;
   V vmax = Vec<W>::load(s);
   for (int j = W; j < padded; j += W) {
@@ -481,34 +517,54 @@ TM_INLINE void softmax_step(float* s, int padded, float& m, float& l, float* acc
   }
   float cmax = vmax[0];
   for (int j = 1; j < W; ++j) cmax = std::max(cmax, vmax[j]);
-  const float mnew = std::max(m, cmax);
-  const float alpha = std::exp(m - mnew);  // 0 on the first chunk (m = -inf)
+  const V sub = Vec<W>::splat(cmax == -std::numeric_limits<float>::infinity() ? 0.0f : cmax);
   V vsum{};
   for (int j = 0; j < padded; j += W) {
-    const V e = expv<W>(Vec<W>::load(s + j) - mnew);
+    const V e = expv<W>(Vec<W>::load(s + j) - sub);
     std::memcpy(s + j, &e, sizeof(e));
     vsum += e;
   }
-  l = rescaled_sum(l, alpha, hsum(Vec<W>::fold(vsum)));
-  m = mnew;
-  if (alpha != 1.0f)
-    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  mc = cmax;
+  lc = hsum(Vec<W>::fold(vsum));
 }
 
-// One work item: token t and kv heads [kh0, kh0 + span) → out[t, kh0*G : (kh0+span)*G, :].
+// A chunk's max mc, sum lc and P . V cacc[0 : D) folded into a row's running max m, sum l and acc: all
+// rescaled to m' = max(m, mc), then added. Every path folds a token's chunks in order through this,
+// whether one item ran them all or each ran on its own (the split path), so a token gets the same bits
+// whatever it is batched with.
+TM_INLINE void fold_chunk(float& m, float& l, float* acc, float mc, float lc, const float* cacc, int64_t D) {
+  if (mc == -std::numeric_limits<float>::infinity()) return;  // no key in this chunk: nothing to add
+  const float mnew = std::max(m, mc);
+  const float a = std::exp(m - mnew);  // 0 on the first chunk (m = -inf)
+  const float b = std::exp(mc - mnew);
+  l = rescaled_sum(l, a, lc * b);
+  for (int64_t d = 0; d < D; ++d) acc[d] = rescaled_sum(acc[d], a, cacc[d] * b);
+  m = mnew;
+}
+
+// A row's output: acc / (l + exp(sink - m)) (a sink adds to the denominator, nothing to V; none for a
+// token that sees no key)
+template <typename QT>
+TM_INLINE void finish_row(const float* acc, float m, float l, float sink, bool uniform, int64_t D, QT* out) {
+  const float inv = 1.0f / (uniform ? l : l + std::exp(sink - m));
+  for (int64_t d = 0; d < D; ++d) store_f32(acc[d] * inv, out + d);
+}
+
+// One work item: token t and kv heads [kh0, kh0 + span) → out[t, kh0*G : (kh0+span)*G, :], or on the
+// split path one chunk of the token's keys for kv head kh0 → its results in pb.partials.
 // All kv heads of a slot lie side by side in the cache, so an item over every kv head reads each
 // block as one contiguous stretch (prefetcher-friendly); single kv heads give more items when
 // there are few tokens. W: the width of the vectors that q meets K and P meets V on.
 template <int W, typename QT, typename KT>
 static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out, int64_t item,
                    int64_t following, Scratch<KT>& sc) {
-  const int64_t items_per_token = pb.KVH / pb.span;
-  const int64_t t = item / items_per_token, kh0 = (item % items_per_token) * pb.span;
+  const ItemKeys it = item_keys(pb, item);
+  const int64_t t = it.t, kh0 = it.kh0;
   const int64_t G = pb.G, D = pb.D, ctx = pb.M * pb.B;
   const int64_t heads = pb.span * G;  // query heads of this item
   const QT* qt = q + (t * pb.H + kh0 * G) * D;
   QT* ot = out + (t * pb.H + kh0 * G) * D;
-  if (ctx == 0) {
+  if (ctx == 0) {  // (never on the split path)
     for (int64_t i = 0; i < heads * D; ++i) store_f32(0.0f, ot + i);
     return;
   }
@@ -528,7 +584,7 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     vis = sc.next_vis;
     fetched = sc.next_fetched;
   } else {
-    vis = visible_slots(pb, item, kc, vc, sc.kp, sc.vp);
+    vis = visible_slots(pb, it, kc, vc, sc.kp, sc.vp);
   }
   const int64_t lo = vis.lo, hi = vis.hi, len = vis.len();
   const bool uniform = vis.uniform;
@@ -539,11 +595,12 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
   if (following >= 0) {
     next.bytes = int64_t(sizeof(KT)) * pb.span * D;
     sc.next_item = following;
-    sc.next_vis = visible_slots(pb, following, kc, vc, sc.next_kp, sc.next_vp);
+    const ItemKeys after = item_keys(pb, following);
+    sc.next_vis = visible_slots(pb, after, kc, vc, sc.next_kp, sc.next_vp);
     next_len = std::min<int64_t>(sc.next_vis.len(), kNextItemBytes / (2 * next.bytes));
     sc.next_fetched = next_len;
     next.kp = sc.next_kp.data(), next.vp = sc.next_vp.data();
-    next.off = (following % (pb.KVH / pb.span)) * pb.span * D;
+    next.off = after.kh0 * D;
     next.count = next_len;
     // spread over this item's steps: 8 per group of 8 keys scored, 1 per key of each pass of P . V
     const int64_t pv_passes = D / (kPvVectors * W) + D % (kPvVectors * W) / W;
@@ -571,20 +628,28 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
                           next.kp != nullptr ? &next : nullptr);
     }
     const int padded = (n + W - 1) / W * W;  // kChunk is a multiple of W: within the head's scores
+    float *mc = sc.mc.data(), *lc = sc.lc.data(), *cacc = sc.cacc.data();
     for (int64_t g = 0; g < heads; ++g) {
       std::fill(s + g * kChunk + n, s + g * kChunk + padded, -std::numeric_limits<float>::infinity());
-      softmax_step<W>(s + g * kChunk, padded, m[g], l[g], acc + g * D, D);
+      chunk_softmax<W>(s + g * kChunk, padded, mc[g], lc[g]);
     }
+    std::fill(cacc, cacc + heads * D, 0.0f);
     for (int64_t k = 0; k < pb.span; ++k)
-      pv_all<W, KT>(s + k * G * kChunk, cv, hi - c0 + 1, (kh0 + k) * D, n, G, D, acc + k * G * D,
+      pv_all<W, KT>(s + k * G * kChunk, cv, hi - c0 + 1, (kh0 + k) * D, n, G, D, cacc + k * G * D,
                     next.kp != nullptr ? &next : nullptr);
+    for (int64_t g = 0; g < heads; ++g) {
+      if (it.chunk < 0) {
+        fold_chunk(m[g], l[g], acc + g * D, mc[g], lc[g], cacc + g * D, D);
+      } else {  // the split path: folded by the caller, in order, after every chunk has run
+        float* part = pb.partials + ((t * pb.max_chunks + it.chunk) * pb.H + kh0 * G + g) * (2 + D);
+        part[0] = mc[g], part[1] = lc[g];
+        std::memcpy(part + 2, cacc + g * D, D * sizeof(float));
+      }
+    }
   }
-  const float* sink = pb.sinks + kh0 * G;
-  for (int64_t g = 0; g < heads; ++g) {
-    // a sink adds exp(sink - m) to the denominator (nothing to V); none for tokens that see no key
-    const float inv = 1.0f / (uniform ? l[g] : l[g] + std::exp(sink[g] - m[g]));
-    for (int64_t d = 0; d < D; ++d) store_f32(acc[g * D + d] * inv, ot + g * D + d);
-  }
+  if (it.chunk >= 0) return;
+  for (int64_t g = 0; g < heads; ++g)
+    finish_row(acc + g * D, m[g], l[g], pb.sinks[kh0 * G + g], uniform, D, ot + g * D);
 }
 
 // Prefill tiles. The consecutive tokens of a prompt see nearly the same keys: up to kTileTokens of them
@@ -593,10 +658,10 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
 // once per tile instead of once per token, and P . V runs kTilePvRows query heads at a time on each V
 // row instead of one token's. A token's arithmetic is the one-token path's, in the same order (scores
 // by tile_scores, which sums each as scores8 does, or by scores_all itself where the head size is not a
-// multiple of the vector width; the online softmax by softmax_step or its rows-along-the-lanes twin,
-// chunks from position 0; the keys a shorter row does not see add exact zeros to P . V), so its result
-// is bit for bit the same in a tile or alone: greedy output does not depend on how a prompt is chunked
-// or batched. (Tokens whose window starts past 0 take the one-token path, whose chunks start at the
+// multiple of the vector width; each chunk's softmax by chunk_softmax or its rows-along-the-lanes twin,
+// folded by fold_chunk, chunks from position 0; the keys a shorter row does not see add exact zeros to
+// P . V), so its result is bit for bit the same in a tile or alone: greedy output does not depend on how a
+// prompt is chunked or batched. (Tokens whose window starts past 0 take the one-token path, whose chunks start at the
 // window.)
 constexpr int kTileTokens = 16;
 #if defined(__AVX512F__)
@@ -637,7 +702,8 @@ template <typename KT>
 struct TileScratch {
   // one row per query head of the tile (rows padded to whole kTilePvRows): token i, head g at i * G + g
   std::vector<float> q, s, acc, m, l;  // q [rows][D] scaled, s [rows][kChunk], acc [rows][D]
-  // with the rows along the vector lanes (tile_scores, softmax_step_lanes): q [D][lanes], s [kChunk][lanes]
+  std::vector<float> mc, lc, cacc;  // one chunk's max, sum and P . V per row
+  // with the rows along the vector lanes (tile_scores, chunk_softmax_lanes): q [D][lanes], s [kChunk][lanes]
   // for lanes the rows padded to whole kTilePvRows, then to whole vectors
   std::vector<float> qt, st;
   std::vector<const KT*> kp, vp;  // slot pointers of the tile's keys
@@ -645,6 +711,7 @@ struct TileScratch {
     const int64_t rows = (kTileTokens * pb.G + kTilePvRows - 1) / kTilePvRows * kTilePvRows;
     const int64_t lanes = (rows + kWide - 1) / kWide * kWide;
     q.resize(rows * pb.D), s.resize(rows * kChunk), acc.resize(rows * pb.D), m.resize(lanes), l.resize(lanes);
+    mc.resize(lanes), lc.resize(lanes), cacc.resize(rows * pb.D);
     qt.resize(pb.D * lanes), st.resize(kChunk * lanes);
   }
 };
@@ -687,13 +754,12 @@ static void tile_scores(const float* qt, int64_t lanes, const KT* const* ck, int
   }
 }
 
-// softmax_step for each of rows [0, rows) of a tile's scores with the rows along the lanes (st [padded][lanes],
-// masked scores -inf), in softmax_step's arithmetic row by row: the max (exact in any order), m', alpha
-// by std::exp, e = expv lane by lane, and the sum of e as softmax_step sums it (its lane t: keys t, t +
-// W, ... in order; then the halves folded and hsum's tree). Lanes past `rows` hold garbage after it.
+// chunk_softmax for each of rows [0, rows) of a tile's scores with the rows along the lanes (st [padded][lanes],
+// masked scores -inf), in chunk_softmax's arithmetic row by row: the max (exact in any order), e = expv
+// lane by lane, and the sum of e as chunk_softmax sums it (its lane t: keys t, t + W, ... in order; then
+// the halves folded and hsum's tree). Lanes past `rows` hold garbage after it.
 template <int W>
-static void softmax_step_lanes(float* st, int64_t lanes, int64_t rows, int padded, float* m, float* l, float* acc,
-                               int64_t D) {
+static void chunk_softmax_lanes(float* st, int64_t lanes, int64_t rows, int padded, float* mc, float* lc) {
   using V = typename Vec<W>::type;
   for (int64_t r0 = 0; r0 < rows; r0 += W) {
     float* col = st + r0;
@@ -702,31 +768,22 @@ static void softmax_step_lanes(float* st, int64_t lanes, int64_t rows, int padde
       const V x = Vec<W>::load(col + j * lanes);
       vmax = x > vmax ? x : vmax;
     }
-    float mnew[W], alpha[W];
-    for (int e = 0; e < W; ++e) {
-      const bool row = r0 + e < rows;
-      mnew[e] = row ? std::max(m[r0 + e], vmax[e]) : 0.0f;
-      alpha[e] = row ? std::exp(m[r0 + e] - mnew[e]) : 1.0f;
-    }
-    const V vm = Vec<W>::load(mnew);
+    float sub[W];
+    for (int e = 0; e < W; ++e)
+      sub[e] = r0 + e < rows && vmax[e] != -std::numeric_limits<float>::infinity() ? vmax[e] : 0.0f;
+    const V vs = Vec<W>::load(sub);
     V part[W];
     for (int t = 0; t < W; ++t) part[t] = V{};
     for (int j0 = 0; j0 < padded; j0 += W)
       for (int t = 0; t < W; ++t) {
-        const V e = expv<W>(Vec<W>::load(col + (j0 + t) * lanes) - vm);
+        const V e = expv<W>(Vec<W>::load(col + (j0 + t) * lanes) - vs);
         std::memcpy(col + (j0 + t) * lanes, &e, sizeof(e));
         part[t] += e;
       }
     V y[8];
     fold_across<W>(part, y);
     const V h = ((y[0] + y[4]) + (y[1] + y[5])) + ((y[2] + y[6]) + (y[3] + y[7]));
-    for (int e = 0; e < W && r0 + e < rows; ++e) {
-      const int64_t r = r0 + e;
-      l[r] = rescaled_sum(l[r], alpha[e], h[e]);
-      m[r] = mnew[e];
-      if (alpha[e] != 1.0f)
-        for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= alpha[e];
-    }
+    for (int e = 0; e < W && r0 + e < rows; ++e) mc[r0 + e] = vmax[e], lc[r0 + e] = h[e];
   }
 }
 
@@ -739,6 +796,7 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
   const int64_t hi = token_keys(pb, tile.t0 + tile.n - 1).hi;  // the last token's last key (the first's: 0)
   slots_of(pb, pb.token_request[tile.t0], Visible{0, hi, false}, kc, vc, sc.kp, sc.vp);
   float *qf = sc.q.data(), *s = sc.s.data(), *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
+  float *mc = sc.mc.data(), *lc = sc.lc.data(), *cacc = sc.cacc.data();
   std::fill(s + rows * kChunk, s + pv_rows * kChunk, 0.0f);  // padding rows: no keys
   const Prefetch<KT> no_prefetch;
   const bool transposed = D % W == 0;  // the rows along the lanes (else scores_all, token by token)
@@ -768,10 +826,12 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
           for (int64_t j = std::min<int64_t>(own, padded); j < padded; ++j)
             for (int64_t r = i * G; r < (i + 1) * G; ++r) st[j * lanes + r] = -std::numeric_limits<float>::infinity();
         }
-        softmax_step_lanes<W>(st, lanes, rows, padded, m, l, acc, D);
+        chunk_softmax_lanes<W>(st, lanes, rows, padded, mc, lc);
         for (int j = 0; j < n; ++j) std::fill(st + j * lanes + rows, st + j * lanes + pv_rows, 0.0f);  // no rows
+        std::fill(cacc, cacc + pv_rows * D, 0.0f);
         for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows)
-          pv_group<kTilePvRows, W>(st + r0, Strides{1, lanes}, cv, hi - c0 + 1, kh * D, n, D, acc + r0 * D);
+          pv_group<kTilePvRows, W>(st + r0, Strides{1, lanes}, cv, hi - c0 + 1, kh * D, n, D, cacc + r0 * D);
+        for (int64_t r = 0; r < rows; ++r) fold_chunk(m[r], l[r], acc + r * D, mc[r], lc[r], cacc + r * D, D);
         continue;
       }
       for (int64_t i = 0; i < tile.n; ++i) {
@@ -779,6 +839,7 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
         const int64_t own = token_keys(pb, tile.t0 + i).hi - c0 + 1;  // this token's keys in the chunk
         if (own <= 0) {  // none: the token's chunks ended before this one
           std::fill(si, si + G * kChunk, 0.0f);
+          std::fill(mc + i * G, mc + (i + 1) * G, -std::numeric_limits<float>::infinity());
           continue;
         }
         const int ni = int(std::min<int64_t>(kChunk, own));
@@ -787,18 +848,18 @@ static void attend_tile(const Problem& pb, const QT* q, const KT* kc, const KT* 
         for (int64_t g = 0; g < G; ++g) {
           float* sg = si + g * kChunk;
           std::fill(sg + ni, sg + padded, -std::numeric_limits<float>::infinity());
-          softmax_step<W>(sg, padded, m[i * G + g], l[i * G + g], acc + (i * G + g) * D, D);
+          chunk_softmax<W>(sg, padded, mc[i * G + g], lc[i * G + g]);
           std::fill(sg + padded, sg + std::max(padded, n), 0.0f);  // keys past the token's: p = 0
         }
       }
+      std::fill(cacc, cacc + pv_rows * D, 0.0f);
       for (int64_t r0 = 0; r0 < pv_rows; r0 += kTilePvRows)  // the one-token path's P . V, more rows
-        pv_group<kTilePvRows, W>(s + r0 * kChunk, kRowMajor, cv, hi - c0 + 1, kh * D, n, D, acc + r0 * D);
+        pv_group<kTilePvRows, W>(s + r0 * kChunk, kRowMajor, cv, hi - c0 + 1, kh * D, n, D, cacc + r0 * D);
+      for (int64_t r = 0; r < rows; ++r) fold_chunk(m[r], l[r], acc + r * D, mc[r], lc[r], cacc + r * D, D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = kh * G + r % G;
-      const float inv = 1.0f / (l[r] + std::exp(pb.sinks[head] - m[r]));
-      QT* o = out + ((tile.t0 + r / G) * pb.H + head) * D;
-      for (int64_t d = 0; d < D; ++d) store_f32(acc[r * D + d] * inv, o + d);
+      finish_row(acc + r * D, m[r], l[r], pb.sinks[head], false, D, out + ((tile.t0 + r / G) * pb.H + head) * D);
     }
   }
 }
@@ -833,8 +894,40 @@ static void run_tiles(ffi::ThreadPool& pool, const Problem& pb, const std::vecto
       });
 }
 
+// The split path's last part: token t's chunks folded in order, as one item would have folded them
+template <typename QT>
+static void fold_partials(const Problem& pb, int64_t t, std::vector<float>& acc, QT* out) {
+  const int64_t chunks = (pb.chunk_items[t + 1] - pb.chunk_items[t]) / pb.KVH;
+  const bool uniform = softmax_keys(pb, t).uniform;
+  acc.resize(pb.D);
+  for (int64_t h = 0; h < pb.H; ++h) {
+    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* part = pb.partials + ((t * pb.max_chunks + c) * pb.H + h) * (2 + pb.D);
+      fold_chunk(m, l, acc.data(), part[0], part[1], part + 2, pb.D);
+    }
+    finish_row(acc.data(), m, l, pb.sinks[h], uniform, pb.D, out + (t * pb.H + h) * pb.D);
+  }
+}
+
 template <int W, typename QT, typename KT>
 static void run_width(ffi::ThreadPool& pool, const Problem& pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
+  if (pb.chunk_items != nullptr) {  // few tokens: each kv head and chunk of their keys, then the folds
+    parallel_for<Scratch<KT>>(
+        pool, pb.chunk_items[pb.T], [&pb] { return std::make_unique<Scratch<KT>>(pb); },
+        [&](int64_t i, int64_t following, Scratch<KT>& scratch) {
+          attend<W, QT, KT>(pb, q, kc, vc, out, i, following, scratch);
+        },
+        /*spin=*/true);
+    struct Fold {
+      std::vector<float> acc;
+    };
+    parallel_for<Fold>(
+        pool, pb.T, [] { return std::make_unique<Fold>(); },
+        [&](int64_t t, Fold& fold) { fold_partials(pb, t, fold.acc, out); }, /*spin=*/true);
+    return;
+  }
   if (pb.span == pb.KVH) {  // prefills: their tokens in tiles
     const std::vector<Tile> tiles = tiles_of(pb);
     // Tiles are whole work items: fewer tiles of several tokens than two per thread would leave
@@ -857,6 +950,27 @@ template <typename QT, typename KT>
 static void run(ffi::ThreadPool& pool, Problem pb, const QT* q, const KT* kc, const KT* vc, QT* out) {
   const int64_t threads_available = std::max<int64_t>(1, pool.num_threads());
   pb.span = pb.T >= 4 * threads_available ? pb.KVH : 1;
+  // Fewer tokens than two a thread (a single stream's decode step): each token's keys are cut into
+  // their chunks, and each kv head and chunk is an item (the split path), their results folded in order
+  // afterwards. One item per kv head left one of two threads with two of SmolLM2's three; items of a
+  // chunk over all kv heads (whole slots, one contiguous stretch a block) balanced the threads but ran
+  // no faster. SmolLM2 float32 decoding, the kernel's time per call at the median, alternated in one
+  // process: ~150 keys 22.0 -> 19.1 us (all kv heads an item: 23.5), ~256 keys 30.3 -> 26.2 (31.7),
+  // ~360 keys 39.7 -> 31.5 (34.7).
+  std::vector<int64_t> chunk_items;
+  thread_local std::vector<float> partials;  // kept across calls
+  if (pb.T < 2 * threads_available && threads_available > 1 && pb.M * pb.B > 0) {
+    pb.span = 1;
+    chunk_items.assign(pb.T + 1, 0);
+    for (int64_t t = 0; t < pb.T; ++t) {
+      const int64_t chunks = (softmax_keys(pb, t).len() + kChunk - 1) / kChunk;
+      chunk_items[t + 1] = chunk_items[t] + chunks * pb.KVH;
+      pb.max_chunks = std::max(pb.max_chunks, chunks);
+    }
+    partials.resize(pb.T * pb.max_chunks * pb.H * (2 + pb.D));
+    pb.chunk_items = chunk_items.data();
+    pb.partials = partials.data();
+  }
   // 16-wide where the head size allows: SmolLM2 decoding at batch 64, 30 layers of 168 keys, 30.2 ->
   // 27.6 ms (19.3 -> 16.6 with the keys in cache)
   if (pb.D % kWide == 0)
