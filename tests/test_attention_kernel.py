@@ -196,8 +196,9 @@ def test_a_token_gets_the_same_bits_in_a_tile_or_alone(group, head_dim, window, 
         np.testing.assert_array_equal(np.asarray(run(q[t:t + 1], alone))[0], together[t], err_msg=f"token {t}")
 
 
-@pytest.mark.parametrize("head_dim,window,dtype", [(64, None, np.float32), (64, 100, np.float32), (40, None, np.float32),
-                                                   (20, None, np.float32), (64, None, jnp.bfloat16)])
+@pytest.mark.parametrize("head_dim,window,dtype", [(64, None, np.float32), (64, 100, np.float32),
+                                                   (40, None, np.float32), (20, None, np.float32),
+                                                   (64, None, jnp.bfloat16)])
 def test_a_decode_token_gets_the_same_bits_alone_as_in_a_batch(head_dim, window, dtype):
     """A decode token alone (or with one other) has each kv head's chunks of 64 keys spread over the
     threads as separate items, their results folded after; in a batch of 16 one item runs all its chunks:

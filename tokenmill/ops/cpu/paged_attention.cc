@@ -660,9 +660,9 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
 // by tile_scores, which sums each as scores8 does, or by scores_all itself where the head size is not a
 // multiple of the vector width; each chunk's softmax by chunk_softmax or its rows-along-the-lanes twin,
 // folded by fold_chunk, chunks from position 0; the keys a shorter row does not see add exact zeros to
-// P . V), so its result is bit for bit the same in a tile or alone: greedy output does not depend on how a
-// prompt is chunked or batched. (Tokens whose window starts past 0 take the one-token path, whose chunks start at the
-// window.)
+// P . V), so its result is bit for bit the same in a tile or alone: greedy output does not depend on how
+// a prompt is chunked or batched. (Tokens whose window starts past 0 take the one-token path, whose
+// chunks start at the window.)
 constexpr int kTileTokens = 16;
 #if defined(__AVX512F__)
 constexpr int kTilePvRows = 6;  // P . V: 6 rows x 4 vectors of V in AVX-512's 32 registers
