@@ -251,7 +251,8 @@ class ModelRunner:
             work()
 
     def wait_precompiled(self) -> None:
-        """Block until precompilation (if it runs in the background) is over."""
+        """Block until precompilation (if it runs in the background) is over, and the move of the weights
+        onto 2 MiB pages that follows it."""
         if self._precompiler is not None:
             self._precompiler.join()
 

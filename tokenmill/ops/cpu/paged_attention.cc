@@ -45,7 +45,7 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 
 #define TM_INLINE static inline __attribute__((always_inline))
 
-constexpr int kChunk = 64;  // keys per online-softmax step (a multiple of 16, the widest vector)
+constexpr int kChunk = 64;  // keys per softmax chunk, folded in order (a multiple of 16, the widest vector)
 constexpr int kMaxGroup = 4;  // query heads that meet each V row together (P . V)
 
 TM_INLINE v8f load8(const float* p) {
@@ -957,8 +957,8 @@ static void run(ffi::ThreadPool& pool, Problem pb, const QT* q, const KT* kc, co
   // no faster. SmolLM2 float32 decoding, the kernel's time per call at the median, alternated in one
   // process: ~150 keys 22.0 -> 19.1 us (all kv heads an item: 23.5), ~256 keys 30.3 -> 26.2 (31.7),
   // ~360 keys 39.7 -> 31.5 (34.7).
-  std::vector<int64_t> chunk_items;
-  thread_local std::vector<float> partials;  // kept across calls
+  thread_local std::vector<int64_t> chunk_items;  // kept across calls, like the partials
+  thread_local std::vector<float> partials;
   if (pb.T < 2 * threads_available && threads_available > 1 && pb.M * pb.B > 0) {
     pb.span = 1;
     chunk_items.assign(pb.T + 1, 0);
