@@ -1,11 +1,12 @@
 """--quantization w8a16_int: int8 weights times x quantized to 16-bit integers per window (ops.linear's
 `int16`), and GGUF's 4-bit codes with their offsets (--quantization gguf_int), on the C++ kernel's
-integer dot products (ops/cpu/int8_dot.h: AVX512-VNNI where the CPU has it, else a portable loop)
+integer dot products (ops/cpu/int8_dot.h: AVX512-VNNI where the CPU has it, else AVX2, else a portable
+loop)
 against `linear_ref`, whose `int16_products` is the jnp oracle.
 
 Row counts on both sides of the GEMV / GEMM switch (4 rows) and past a GEMM tile (6 rows) and a
 row block, windows of 32 and 64, layer indices wrapped and clamped; the quad strips' layouts; batch
-invariance; the portable build giving the very bits of the VNNI one; and bad arguments refused.
+invariance; the portable build giving the very bits of this CPU's; and bad arguments refused.
 """
 
 from __future__ import annotations
@@ -152,39 +153,60 @@ def test_windows_too_long_for_int32_sums_take_the_reference(monkeypatch):
     np.testing.assert_array_equal(kernel, ref)
 
 
-_PORTABLE = """
+# the cases of the build comparison: (rows, K, N, window, 4-bit codes); rows on both sides of the GEMV /
+# GEMM switch and past a tile; an int8 window of 512, whose sums of codes plus 128 pass int32 on AVX2
+_BUILD_CASES = [(1, 576, 96, 64, False), (2, 576, 96, 64, False), (3, 576, 96, 64, False), (4, 576, 96, 64, False),
+                (11, 576, 96, 64, False), (3, 1024, 64, 512, False), (1, 320, 64, 32, True), (5, 320, 64, 32, True),
+                (13, 320, 64, 32, True)]
+
+_OTHER_BUILD = """  # argv: the operands, the build's ISA flags
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from tokenmill.ops.cpu import build
-cpu = build._cpu_flags()
-build._cpu_flags = lambda: cpu - {"avx512_vnni"}
-from tokenmill.ops.cpu import linear as cpu_linear
+build.isa_flags = lambda: tuple(sys.argv[2].split())
 from tokenmill.ops.linear import linear
-assert "-mavx512vnni" not in build.isa_flags()
-x, q, scale = (np.load(sys.argv[1])[k] for k in ("x", "q", "scale"))
-quads = cpu_linear.to_int8_quads(jnp.asarray(q))
-y = jax.jit(lambda x: linear(x, quads, 0, jnp.asarray(scale), 64, int16=True))(jnp.asarray(x))
-print(json.dumps(np.asarray(y).view(np.uint32).tolist()))
+operands = np.load(sys.argv[1])
+outputs = []
+for case in range(int(operands["cases"])):
+    x, w, scale, offset = (operands[f"{k}{case}"] for k in ("x", "w", "scale", "offset"))
+    wsz = int(operands[f"wsz{case}"])
+    offset = jnp.asarray(offset) if offset.size else None
+    y = jax.jit(lambda x: linear(x, jnp.asarray(w), 0, jnp.asarray(scale), wsz, offset=offset, int16=True))(jnp.asarray(x))
+    outputs.append(np.asarray(y).view(np.uint32).tolist())
+print(json.dumps(outputs))
 """
 
 
-def test_the_portable_build_gives_the_bits_of_the_vnni_one(monkeypatch, tmp_path):
-    """Integer sums are exact and the scaling is the same code on both builds: a CPU without
-    AVX512-VNNI computes the very same outputs (this one, built without it)."""
+def test_every_build_gives_the_same_bits(monkeypatch, tmp_path):
+    """Integer sums are exact and the scaling is the same code on every build: this CPU's (AVX512-VNNI's
+    byte dot products, or AVX2's 16-bit ones) computes the very outputs of the portable loop's build and
+    of the AVX2 one. (Both with FMA: without it, the scaling's multiply-adds round twice, by design.)"""
     require_kernel()
-    if "-mavx512vnni" not in build.isa_flags():
-        pytest.skip("this CPU has no AVX512-VNNI: the portable build is the one every other test runs")
-    q, scale, quads = int8_stack(10, 1, 576, 96, 64)
-    x = np.random.default_rng(11).standard_normal((6, 576)).astype(np.float32)
-    np.savez(tmp_path / "operands.npz", x=x, q=np.asarray(q[0:1]), scale=np.asarray(scale[0:1]))
+    others = [flags for flags in ("-mfma", "-mavx2 -mfma") if flags != " ".join(build.isa_flags())]
+    if not {"avx2", "fma"} <= build._cpu_flags():
+        pytest.skip("this CPU cannot run the AVX2 build")
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
-    vnni = np.asarray(jax.jit(lambda x: linear(x, quads, 0, scale, 64, int16=True))(jnp.asarray(x)))
+    operands, fast = {"cases": len(_BUILD_CASES)}, []
+    for case, (M, K, N, wsz, nibbles) in enumerate(_BUILD_CASES):
+        if nibbles:
+            _, scale, offset, _, w = uint4_quads(40 + case, 1, K, N, wsz)
+        else:
+            _, scale, w = int8_stack(40 + case, 1, K, N, wsz)
+            offset = None
+        x = np.random.default_rng(case).standard_normal((M, K)).astype(np.float32)
+        fast.append(np.asarray(jax.jit(lambda x: linear(x, w, 0, scale, wsz, offset=offset, int16=True))(jnp.asarray(x))))
+        operands.update({f"x{case}": x, f"w{case}": np.asarray(w), f"scale{case}": np.asarray(scale),
+                         f"offset{case}": np.zeros(0) if offset is None else np.asarray(offset), f"wsz{case}": wsz})
+    np.savez(tmp_path / "operands.npz", **operands)
     env = {**os.environ, "TOKENMILL_LINEAR_BACKEND": "cpu_kernel", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", _PORTABLE, str(tmp_path / "operands.npz")], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    portable = np.asarray(json.loads(out.stdout.strip().splitlines()[-1]), np.uint32).view(np.float32)
-    np.testing.assert_array_equal(portable, vnni)
+    for flags in others:
+        out = subprocess.run([sys.executable, "-c", _OTHER_BUILD, str(tmp_path / "operands.npz"), flags], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        other = json.loads(out.stdout.strip().splitlines()[-1])
+        for case, expected in enumerate(fast):
+            got = np.asarray(other[case], np.uint32).view(np.float32).reshape(expected.shape)
+            np.testing.assert_array_equal(got, expected, err_msg=f"build {flags}, case {_BUILD_CASES[case]}")
 
 
 def test_vnni_is_built_where_the_cpu_has_it():

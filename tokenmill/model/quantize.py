@@ -14,7 +14,7 @@ stays float32 for the lookup (a tied LM head gets its own quantized copy). `w8a1
 int8 weights and rounds each projection's input to bfloat16 (`ops.linear`): the products then run
 with a CPU's bfloat16 dot products (AMX, AVX512-BF16) where it has them; `w8a16_int` stores them too
 and quantizes each projection's input to 16-bit integers per window, for integer dot products
-(AVX512-VNNI). (`gguf` quantizes nothing: the loader keeps a GGUF file's
+(AVX512-VNNI's, else AVX2's). (`gguf` quantizes nothing: the loader keeps a GGUF file's
 Q8_0 / Q4_0 / Q4_1 blocks as they are, loader/gguf_blocks.py.)
 """
 

@@ -19,8 +19,8 @@ float32, then scaled), else on the float32 path.
 `int16=True` (`--quantization w8a16_int`) quantizes x to 16-bit integers, per row and window of the
 weights' `wsz`: each window's products are then exact integers, scaled by both steps into float32
 (`int16_products`), for int8 weights and for 4-bit codes with offsets (`--quantization gguf_int`).
-On CPU the kernel multiplies them with integer dot products (AVX512-VNNI's VPDPBUSD,
-ops/cpu/int8_dot.h: each of x's integers split into two int8) from the stack in quad strips
+On CPU the kernel multiplies them with integer dot products (ops/cpu/int8_dot.h: AVX512-VNNI's
+VPDPBUSD, each of x's integers split into two int8, else AVX2's VPMADDWD) from the stack in quad strips
 (`ops.cpu.linear.to_int8_quads` / `to_uint4_quads`, made by `kernel_layout(..., int16=True)`). (x quantized to
 8 bits alone, as llama.cpp's Q8_0 does, moved SmolLM2's greedy output off float32's on five of the
 eight parity prompts, three to 22 tokens in, away from any near tie; perplexity +0.6%.)
