@@ -200,7 +200,8 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
   }
 }
 #elif defined(__AVX2__)
-// Vectors of 4 columns per pass over the window: R of them live in R * G of AVX2's 16 registers
+// G vectors of 4 columns (a strip's 32 in 8) per pass over the window: R rows' sums then take R * G of
+// AVX2's 16 registers
 template <int R>
 constexpr int kPassVectors = R == 1 ? 8 : R <= 3 ? 4 : 2;
 
@@ -211,7 +212,7 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
   constexpr int64_t kRowK = nibbles ? 2 * kQuad : kQuad;
   const int16_t* q = rows.q.data() + m0 * K;
   const int64_t windows = K / wsz;
-  for (int g0 = 0; g0 < kStrip / kQuad; g0 += G) {
+  for (int g0 = 0; g0 < kStrip / 4; g0 += G) {
     __m256i acc[R][G];  // int32 lanes: (column, k 0-1), (column, k 2-3) for 4 columns
     for (int i = 0; i < R; ++i)
       for (int g = 0; g < G; ++g) acc[i][g] = _mm256_setzero_si256();
