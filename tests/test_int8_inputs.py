@@ -6,7 +6,8 @@ against `linear_ref`, whose `int16_products` is the jnp oracle.
 
 Row counts on both sides of the GEMV / GEMM switch (4 rows) and past a GEMM tile (6 rows) and a
 row block, windows of 32 and 64, layer indices wrapped and clamped; the quad strips' layouts; batch
-invariance; the portable build giving the very bits of this CPU's; and bad arguments refused.
+invariance; every build (the portable loop's, AVX2's, AVX512-VNNI's) giving the same bits; and bad
+arguments refused.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ _BUILD_CASES = [(1, 576, 96, 64, False), (2, 576, 96, 64, False), (3, 576, 96, 6
                 (11, 576, 96, 64, False), (3, 1024, 64, 512, False), (1, 320, 64, 32, True), (5, 320, 64, 32, True),
                 (13, 320, 64, 32, True)]
 
-_OTHER_BUILD = """  # argv: the operands, the build's ISA flags
+# run in a process of its own: python -c _OTHER_BUILD <operands.npz> <the build's ISA flags>
+_OTHER_BUILD = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from tokenmill.ops.cpu import build
