@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from tokenmill.model.loader import LoadedModel, ModelLoadError, load_config, load_model, load_tokenizer
 from tokenmill.model.loader.gguf import load_gguf_config, load_gguf_params, open_gguf
 from tokenmill.model.loader.gguf_reader import GGUFFile
+from tokenmill.model.loader.layout import HOST_ALIGNMENT
 
 VOCAB = 256
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -170,6 +171,19 @@ def test_hf_dtype_conversion(tiny):
     # 1 + w is formed in fp32 and rounded once
     want = (sd["model.layers.0.input_layernorm.weight"] + 1).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(m.params["layers"]["attn_norm"][0], want)
+
+
+def test_weights_go_to_the_cpu_device_without_a_copy(tiny):
+    """assemble's arrays start on HOST_ALIGNMENT boundaries, where XLA's CPU client takes a host buffer as
+    it is: placing the weights copies nothing (numpy alone aligns to 16 bytes)."""
+    import jax
+
+    path, _ = tiny["LlamaForCausalLM"]
+    m = load_model(path, tokenizer=False)
+    arrays = [m.params["embed"], m.params["final_norm"], *m.params["layers"].values()]
+    assert all(a.ctypes.data % HOST_ALIGNMENT == 0 for a in arrays)
+    wq = m.params["layers"]["wq"]
+    assert jax.device_put(wq).unsafe_buffer_pointer() == wq.ctypes.data
 
 
 def test_gemma3_multimodal_checkpoint_prefixes_are_stripped(tiny, tmp_path):
