@@ -1,7 +1,8 @@
 """The greedy LM head (greedy_head.cc) against the float32 head of the linear kernel: the same argmax,
 the float32 logit's very bits wherever the maximum could be, every other value below the maximum.
 
-The kernel must build on the test machine: if it cannot, these tests fail (they never skip).
+The kernels (and the screening copy's, screen_head.cc) must build on the test machine: if they cannot, these
+tests fail (they never skip).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenmill.ops.cpu import greedy_head
+from tokenmill.ops.cpu import build, greedy_head
 from tokenmill.ops.cpu.linear import linear, to_strips
 
 K, V = 64, 4096
@@ -92,3 +93,23 @@ def test_the_bound_covers_the_int8_copy():
     # a left-out column holds a - |x| c, and |a - z| <= |x| c: so z - 2 |x| c <= value <= z
     assert (greedy[~exact] <= full[~exact]).all()
     assert (greedy[~exact] >= full[~exact] - 2 * limit[~exact] * (1 + 1e-4)).all()
+
+
+@pytest.mark.parametrize("k, vocab", [(64, 4096), (128, 96), (576, 1024)])
+def test_screen_kernel_gives_the_reference_copy(k, vocab):
+    """screen_head.cc against the jnp `screen_head_reference`: the very codes and scales (ties of the
+    rounding included), coeff within float32 rounding; a column of zeros keeps scale 1, one huge value
+    takes its column's scale."""
+    assert build.load(build.SCREEN_HEAD), "the screen head kernel did not build"
+    w = np.random.default_rng(k).standard_normal((1, k, vocab)).astype(np.float32) * 0.05
+    w[0, :, 5] = 0
+    w[0, 3, 7] = 1e15
+    w[0, :, 9] = (np.arange(k) % 40 - 19.5) * 0.125  # scale 0.125 (15.875 / 127): x / 0.125 ends in .5
+    w[0, 0, 9] = 15.875
+    strips = to_strips(jnp.asarray(w))
+    got = jax.device_get(greedy_head.screen_head(strips))
+    want = jax.device_get(greedy_head.screen_head_reference(strips))
+    np.testing.assert_array_equal(got["q"], want["q"])
+    np.testing.assert_array_equal(got["scale"], want["scale"])
+    assert got["scale"][5] == 1 and got["coeff"][5] == 0
+    np.testing.assert_allclose(got["coeff"], want["coeff"], rtol=2e-6)

@@ -53,6 +53,7 @@ LINEAR = Kernel("tokenmill_linear", "TokenmillLinear", "linear.cc")
 LAZY_ZEROS = Kernel("tokenmill_lazy_zeros", "TokenmillLazyZeros", "lazy_zeros.cc")
 ARGMAX = Kernel("tokenmill_argmax", "TokenmillArgmax", "argmax.cc")
 GREEDY_HEAD = Kernel("tokenmill_greedy_head", "TokenmillGreedyHead", "greedy_head.cc")
+SCREEN_HEAD = Kernel("tokenmill_screen_head", "TokenmillScreenHead", "screen_head.cc")
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -211,7 +212,7 @@ def build_error(kernel: Kernel = PAGED_ATTENTION) -> str | None:
     return _errors.get(kernel.target)
 
 
-KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS, ARGMAX, GREEDY_HEAD)
+KERNELS = (PAGED_ATTENTION, MOE_EXPERTS, LINEAR, LAZY_ZEROS, ARGMAX, GREEDY_HEAD, SCREEN_HEAD)
 
 
 def _build_one(kernel: Kernel) -> str:
