@@ -99,7 +99,8 @@ class LLM:
                 children[request_id].append(child_id)
                 parent_of[child_id] = request_id
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 8)
+        # no bar at all when none is shown: a first tqdm, even disabled, makes a multiprocessing lock (~0.1 s)
+        bar = tqdm(total=len(order), desc="Processed prompts") if use_tqdm and len(order) >= 8 else None
         try:
             while outputs.has_unfinished():
                 updates = self._step()
@@ -110,7 +111,8 @@ class LLM:
                     if out.finished:
                         finished[state.request_id] = out
                         if all(c in finished for c in children[parent_of[state.request_id]]):
-                            bar.update(1)
+                            if bar is not None:
+                                bar.update(1)
         except BaseException:  # interrupted: leave the engine clean for the next call
             unfinished = list(outputs.states)
             for request_id in unfinished:
@@ -118,7 +120,8 @@ class LLM:
             self.engine.abort_requests(unfinished)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         results = []
         for request_id in order:
             parts = [finished[c] for c in children[request_id]]
