@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 # Tests compile the shapes they use on first use; the one test about precompilation turns it on.
 os.environ.setdefault("TOKENMILL_SKIP_PRECOMPILE", "1")
+# GGUF tokenizers are kept for the session in a folder of its own, not the user's cache
+os.environ.setdefault("TOKENMILL_TOKENIZER_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-tokenizers-"))
+atexit.register(shutil.rmtree, os.environ["TOKENMILL_TOKENIZER_CACHE_DIR"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parent.parent
 GEMMA3_GGUF = REPO / ".cache" / "models" / "gemma-3-270m-Q4_K_M.gguf"

@@ -649,12 +649,39 @@ def test_smollm2_default_model(smollm2, smollm2_path):
     assert load_config(None) == c
 
 
-def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_path):
+def _smollm2_reference_tokenizer(smollm2_path):
     from transformers import PreTrainedTokenizerFast
 
-    ref = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(smollm2_path),
-                                                  gguf_file=os.path.basename(smollm2_path))
-    tok = smollm2.tokenizer
+    return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(smollm2_path),
+                                                   gguf_file=os.path.basename(smollm2_path))
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2, smollm2_path):
+    _assert_smollm2_tokenizer_matches(smollm2.tokenizer, _smollm2_reference_tokenizer(smollm2_path))
+
+
+def test_smollm2_tokenizer_read_back_from_the_cache(smollm2_path, tmp_path, monkeypatch):
+    """The GGUF tokenizer as transformers converts it is kept in TOKENMILL_TOKENIZER_CACHE_DIR; the next
+    load reads it back without converting (the converter made to fail proves it) and tokenizes the same.
+    A damaged entry is converted and written again."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    monkeypatch.setenv("TOKENMILL_TOKENIZER_CACHE_DIR", str(tmp_path))
+    load_tokenizer(smollm2_path)
+    kept = sorted(os.listdir(tmp_path))
+    assert len(kept) == 2 and kept[0].endswith(".json") and kept[1].endswith(".kwargs.json")
+    with monkeypatch.context() as m:
+        m.setattr(gguf_tokenizer_mapping, "convert_gguf_tokenizer", None)  # any conversion now fails
+        tok, chat_template = load_tokenizer(smollm2_path)
+    _assert_smollm2_tokenizer_matches(tok, _smollm2_reference_tokenizer(smollm2_path))
+    assert tok.chat_template == chat_template and "<|im_start|>" in chat_template
+    (tmp_path / kept[0]).write_text("{not json")
+    tok, _ = load_tokenizer(smollm2_path)
+    assert tok.encode("Hello world") == [19556, 905]
+    assert json.loads((tmp_path / kept[0]).read_text())["model"]["type"] == "BPE"  # written again
+
+
+def _assert_smollm2_tokenizer_matches(tok, ref):
     assert tok.encode("Hello world") == ref.encode("Hello world") == [19556, 905]  # no BOS added
     for text in [" Hello  world\n\n", "<|im_start|>user\nHi!<|im_end|>", "naïve café 日本語 🤖 1234567", ""]:
         ids = tok.encode(text)

@@ -36,6 +36,10 @@ VARIABLES: dict[str, _Var] = {
     "TOKENMILL_COMPILATION_CACHE_DIR": _Var(
         str, os.path.join(_DEFAULT_CACHE, "xla"), "JAX persistent compilation cache directory ('' disables it)"
     ),
+    "TOKENMILL_TOKENIZER_CACHE_DIR": _Var(
+        str, os.path.join(_DEFAULT_CACHE, "tokenizers"),
+        "GGUF tokenizers converted by transformers, kept per file to load in ~0.1 s next time ('' disables it)",
+    ),
     "TOKENMILL_ATTENTION_BACKEND": _Var(
         str.lower,
         "auto",
