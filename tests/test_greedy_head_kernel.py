@@ -1,8 +1,8 @@
 """The greedy LM head (greedy_head.cc) against the float32 head of the linear kernel: the same argmax,
 the float32 logit's very bits wherever the maximum could be, every other value below the maximum.
 
-The kernels (and the screening copy's, screen_head.cc) must build on the test machine: if they cannot, these
-tests fail (they never skip).
+The kernels (greedy_head.cc, and screen_head.cc for the int8 copy) must build on the test machine: if they
+cannot, these tests fail (they never skip).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@
 //      scale [S * 32], and coeff [S * 32]:
 //      coeff_v = (|q_v scale_v - w_v|_2 + gamma4 (|q_v scale_v|_2 + |w_v|_2)) * factor
 //
-// (gamma4 and factor come from greedy_head.py, which says what they bound). XLA
-// made this in several single-threaded passes over the head: ~0.3 s of every start for SmolLM2's
-// 113 MB head on a Zen 3 core. Here each strip is one work item: its absolute maxima in one pass
-// over its K x 32 values, then codes and the three sums in a second while the strip is in cache.
+// (gamma4 and factor come from greedy_head.py, which says what they bound). XLA made this in several
+// single-threaded passes over the head: ~0.3 s of every start for SmolLM2's 113 MB head on a Zen 3
+// core. Here each strip is one work item: its absolute maxima in one pass over its K x 32 values,
+// then codes and the three sums in a second while the strip is in cache.
 // Codes and scales are the reference's bits (the same float32 arithmetic, rounding ties to even);
 // the sums run in float64, so coeff is within the reference's float32 rounding of it.
 
@@ -36,8 +36,9 @@ void screen_strip(const float* w, int64_t K, float gamma4, float factor, int8_t*
   for (int64_t k = 0; k < K; ++k)
     for (int64_t j = 0; j < kLanes; ++j) absmax[j] = std::max(absmax[j], std::fabs(w[k * kLanes + j]));
   for (int64_t j = 0; j < kLanes; ++j)
-    // times 1/127, as XLA computes the reference's absmax / 127; `> 0` is false for a NaN
-    // maximum too: its column keeps scale 1, as the reference's jnp.where does
+    // times 1/127, as XLA computes the reference's absmax / 127; an all-zero column keeps scale 1, as
+    // the reference's jnp.where gives it (a NaN weight, which std::max passes over here, makes its
+    // column's coefficient NaN in both)
     scale[j] = absmax[j] > 0 ? absmax[j] * (1.0f / 127.0f) : 1.0f;
   float inverse[kLanes];  // XLA divides by the scale as times its reciprocal
   for (int64_t j = 0; j < kLanes; ++j) inverse[j] = 1.0f / scale[j];
