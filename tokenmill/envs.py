@@ -38,7 +38,8 @@ VARIABLES: dict[str, _Var] = {
     ),
     "TOKENMILL_TOKENIZER_CACHE_DIR": _Var(
         str, os.path.join(_DEFAULT_CACHE, "tokenizers"),
-        "GGUF tokenizers converted by transformers, kept per file to load in ~0.1 s next time ('' disables it)",
+        "GGUF tokenizers as transformers converts them, kept per file and read back on the next start "
+        "instead of converted again ('' disables it)",
     ),
     "TOKENMILL_ATTENTION_BACKEND": _Var(
         str.lower,
