@@ -206,8 +206,8 @@ template <int R>
 constexpr int kPassVectors = R == 1 ? 8 : R <= 3 ? 4 : 2;
 
 // s[i][v] = the products of 6 rows of q (from q on, rows K apart) and 8 columns' codes (v: two vectors of
-// 4 columns, G = 2) over `quads` rows of a quad strip from `row` on, in int32 lanes as window_sums
-// keeps them. One asm loop: as intrinsics, the compiler broadcast all 6 rows' q and multiplied before
+// 4 columns, G = 2) over `quads` (at least one) rows of a quad strip from `row` on, in int32 lanes as
+// window_sums keeps them. One asm loop: as intrinsics, the compiler broadcast all 6 rows' q and multiplied before
 // it added, and spilled half the sums to the stack, where each add then waited on a store and a load;
 // here 12 sums (ymm4-15), 2 codes, a q and a product fill AVX2's 16 registers (SmolLM2's W1 with
 // w8a16_int on a Zen 3, 2 alternating pairs: 178 and 195 -> 238 and 238 output tok/s).
@@ -260,7 +260,7 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
   const int64_t windows = K / wsz;
   for (int g0 = 0; g0 < kStrip / 4; g0 += G) {
     __m256i acc[R][G];  // int32 lanes: (column, k 0-1), (column, k 2-3) for 4 columns
-    if constexpr (R == 6 && G == 2 && !nibbles) {  // SmolLM2's full tiles (dot_gemm's kDotTileRows)
+    if constexpr (R == 6 && G == 2 && !nibbles) {  // dot_gemm's full tiles (kDotTileRows rows)
       sums_6x8(strip + (w * wsz / kRowK) * kQuadRowBytes + g0 * 4 * kQuad, q + w * wsz, K, wsz / kRowK, acc);
     } else {
       for (int i = 0; i < R; ++i)
