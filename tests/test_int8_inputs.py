@@ -158,7 +158,9 @@ def test_windows_too_long_for_int32_sums_take_the_reference(monkeypatch):
 # GEMM switch and past a tile; an int8 window of 512, whose sums of codes plus 128 pass int32 on AVX2
 _BUILD_CASES = [(1, 576, 96, 64, False), (2, 576, 96, 64, False), (3, 576, 96, 64, False), (4, 576, 96, 64, False),
                 (11, 576, 96, 64, False), (3, 1024, 64, 512, False), (1, 320, 64, 32, True), (5, 320, 64, 32, True),
-                (13, 320, 64, 32, True)]
+                (13, 320, 64, 32, True),
+                # int8 tiles of 6 rows (AVX2's asm loop) over windows of 8 and 128 quads
+                (13, 320, 64, 32, False), (12, 1024, 64, 512, False)]
 
 # run in a process of its own: python -c _OTHER_BUILD <operands.npz> <the build's ISA flags>
 _OTHER_BUILD = """
