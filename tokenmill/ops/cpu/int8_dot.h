@@ -26,7 +26,8 @@
 // int8, q = 254 * hi + lo (|hi|, |lo| <= 127), and a window's sum is 254 * sum(hi * w) + sum(lo * w),
 // two dot products for each load of weights. AVX2 has no such instruction (its VPMADDUBSW saturates
 // at 16 bits); VPMADDWD multiplies 16-bit integers pairwise into int32 lanes (16 multiply-adds an
-// instruction), so there q multiplies the codes widened to 16 bits, with no split.
+// instruction), so there q, unsplit, multiplies the codes split into 16-bit lanes, each lane of the
+// products a whole column (see split_codes).
 
 #pragma once
 
@@ -49,13 +50,18 @@ namespace {
 
 constexpr int64_t kQuad = 4;  // k per group of bytes a VPDPBUSD lane sums
 constexpr int64_t kQuadRowBytes = kStrip * kQuad;  // one row of a quad strip: 128 bytes
+#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+constexpr int kDotTileRows = 5;  // rows per tile of the GEMM (AVX2: window_5x16)
+#else
 constexpr int kDotTileRows = 6;  // rows per tile of the GEMM (VNNI: 24 of the 32 vector registers hold sums)
+#endif
 constexpr int32_t kSplit = 254;  // q = kSplit * hi + lo
 constexpr int32_t kInt16Steps = 127 * kSplit;  // the largest |q|
 constexpr int64_t kMaxIntWindow = 512;  // wsz * kInt16Steps * 127 < 2^31
 
-// x's rows quantized per window: q [M, K] (on VNNI builds split into hi and lo instead), with each
-// window's step and sum of q ([M, K / wsz]; VNNI: the sums of hi and of lo as well)
+// x's rows quantized per window: q [M, K] (on VNNI builds split into hi and lo instead; on AVX2 builds
+// each quad's middle two swapped, see pair_quads), with each window's step and sum of q ([K / wsz, M],
+// window-major: a tile's rows side by side; VNNI: the sums of hi and of lo as well)
 struct QuantizedRows {
 #if defined(TOKENMILL_VNNI)
   std::vector<int8_t> hi, lo;
@@ -65,8 +71,12 @@ struct QuantizedRows {
 #endif
   std::vector<float> step;
   std::vector<int32_t> sum_q;
+  int64_t M = 0;
+
+  int64_t at(int64_t m, int64_t w) const { return w * M + m; }  // row m's window w in step and the sums
 
   void resize(int64_t M, int64_t K, int64_t wsz) {
+    this->M = M;
 #if defined(TOKENMILL_VNNI)
     hi.resize(M * K);
     lo.resize(M * K);
@@ -80,6 +90,19 @@ struct QuantizedRows {
   }
 };
 
+#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+// AVX2's order of q: each quad (k 0-3) stored as (q0, q2, q1, q3), so that one 32-bit broadcast holds
+// the two k that meet a column's even code bytes (k 0 and 2) or its odd ones (k 1 and 3); see window_sums
+TM_INLINE void pair_quads(int16_t* q, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(v, 0xd8), 0xd8));
+  }
+  for (; i < n; i += kQuad) std::swap(q[i + 1], q[i + 2]);
+}
+#endif
+
 // rows [m_begin, m_end) of x [M, K] into `out` (sized by the caller for all M rows)
 static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows& out, int64_t m_begin,
                           int64_t m_end) {
@@ -87,7 +110,7 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
   for (int64_t m = m_begin; m < m_end; ++m)
     for (int64_t w = 0; w < windows; ++w) {
       const float* v = x + m * K + w * wsz;
-      const int64_t at = m * windows + w;
+      const int64_t at = out.at(m, w);
       float amax = 0.f;
       for (int64_t i = 0; i < wsz; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float step = amax > 0.f ? amax / float(kInt16Steps) : 1.f;
@@ -120,6 +143,8 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
 #if defined(TOKENMILL_VNNI)
       out.sum_hi[at] = sum_hi;
       out.sum_lo[at] = sum_lo;
+#elif defined(__AVX2__)
+      pair_quads(qs, wsz);
 #endif
     }
 }
@@ -186,7 +211,6 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
           acc[i][part][1] = _mm512_dpbusd_epi32(acc[i][part][1], b[quad][1], a);
         }
   }
-  const int64_t windows = K / wsz;
   for (int i = 0; i < R; ++i) {
     alignas(64) int32_t parts[2][kStrip];  // [hi, lo][column]
     for (int part = 0; part < 2; ++part) {
@@ -194,109 +218,142 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
       _mm512_store_si512(parts[part] + 16, acc[i][part][1]);
     }
     // the codes' 128: 128 * sum(hi) and 128 * sum(lo) in the window
-    const int64_t at = (m0 + i) * windows + w;
+    const int64_t at = rows.at(m0 + i, w);
     const int32_t hi_offset = nibbles ? 0 : 128 * rows.sum_hi[at], lo_offset = nibbles ? 0 : 128 * rows.sum_lo[at];
     for (int j = 0; j < kStrip; ++j) sums[i][j] = kSplit * (parts[0][j] - hi_offset) + (parts[1][j] - lo_offset);
   }
 }
 #elif defined(__AVX2__)
-// G vectors of 4 columns (a strip's 32 in 8) per pass over the window: R rows' sums then take R * G of
+// AVX2: 32 bytes of a strip's row (8 columns' 4 bytes) split into 16-bit lanes, column c's two in lanes
+// 2c and 2c + 1, in the order of x's q (pair_quads): int8 codes' even bytes (an AND: k 0 and 2), then
+// the odd ones (a shift: k 1 and 3); 4-bit codes the same of their low nibbles (k 0-3), then of the high
+// ones (k 4-7). VPMADDWD by a broadcast pair of q then adds a column's two products into its own int32
+// lane: the lanes are whole columns, 8 a vector.
+template <bool nibbles>
+TM_INLINE void split_codes(__m256i raw, __m256i (&codes)[nibbles ? 4 : 2]) {
+  if constexpr (nibbles) {
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    codes[0] = _mm256_and_si256(raw, low);
+    codes[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 8), low);
+    codes[2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    codes[3] = _mm256_srli_epi16(raw, 12);
+  } else {
+    codes[0] = _mm256_and_si256(raw, _mm256_set1_epi16(0xff));
+    codes[1] = _mm256_srli_epi16(raw, 8);
+  }
+}
+
+// G groups of 8 columns (a strip's 32 in 4) per pass over the window: R rows' sums then take R * G of
 // AVX2's 16 registers
 template <int R>
-constexpr int kPassVectors = R == 1 ? 8 : R <= 3 ? 4 : 2;
+constexpr int kPassGroups = R == 1 ? 4 : R <= 4 ? 2 : 1;
 
-// s[i][v] = the products of 6 rows of q (from q on, rows K apart) and 8 columns' codes (v: two vectors of
-// 4 columns, G = 2) over `quads` (at least one) rows of a quad strip from `row` on, in int32 lanes as
-// window_sums keeps them. One asm loop: as intrinsics, the compiler broadcast all 6 rows' q and multiplied before
-// it added, and spilled half the sums to the stack, where each add then waited on a store and a load;
-// here 12 sums (ymm4-15), 2 codes, a q and a product fill AVX2's 16 registers (SmolLM2's W1 with
-// w8a16_int on a Zen 3, 2 alternating pairs: 178 and 195 -> 238 and 238 output tok/s).
-TM_INLINE void sums_6x8(const uint8_t* row, const int16_t* q, int64_t K, int64_t quads, __m256i (&s)[6][2]) {
+template <int R, bool nibbles>
+TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int64_t m0, int64_t K, int64_t w,
+                           int64_t wsz, int32_t (*sums)[kStrip]) {
+  constexpr int G = kPassGroups<R>;
+  constexpr int kPairs = nibbles ? 4 : 2;  // pairs of k a row of the strip holds
+  constexpr int64_t kRowK = 2 * kPairs;
+  const int16_t* q = rows.q.data() + m0 * K;
+  for (int g0 = 0; g0 < kStrip / 8; g0 += G) {
+    __m256i acc[R][G];
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < G; ++g) acc[i][g] = _mm256_setzero_si256();
+    for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kRowK) {
+      const uint8_t* row = strip + (k / kRowK) * kQuadRowBytes + g0 * 8 * kQuad;
+      for (int g = 0; g < G; ++g) {
+        __m256i codes[kPairs];
+        split_codes<nibbles>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 8 * kQuad)), codes);
+        for (int i = 0; i < R; ++i)
+          for (int p = 0; p < kPairs; ++p) {
+            int32_t pair;
+            std::memcpy(&pair, q + i * K + k + 2 * p, 4);
+            acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(codes[p], _mm256_set1_epi32(pair)));
+          }
+      }
+    }
+    // The int32 lanes may wrap where an int8 window is long (its codes carry 128 each): the sum less
+    // 128 * sum(q) fits, and wraps back.
+    for (int i = 0; i < R; ++i) {
+      const __m256i offset = _mm256_set1_epi32(nibbles ? 0 : 128 * rows.sum_q[rows.at(m0 + i, w)]);
+      for (int g = 0; g < G; ++g)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[i] + (g0 + g) * 8), _mm256_sub_epi32(acc[i][g], offset));
+    }
+  }
+}
+
+// dot_strip's full int8 tiles, one window of them: 5 rows of x (q from `q` on, rows K apart; their
+// steps and sums of q from `step` and `sum_q` on) times 16 columns of a quad strip (`row`: their bytes in
+// the window's first row of it; their scales from `scale` on) over `quads` rows of the strip, the exact
+// sums (less 128 * sum(q)) scaled into out's float32 rows (128 bytes apart) as scale_window does. One
+// asm loop: 10 sums (ymm4-11, 14, 15), the even and odd codes of 16 columns, a pair of q and a product
+// fill AVX2's 16 registers. (As intrinsics, the compiler broadcast every row's q before it multiplied,
+// and spilled sums to the stack, where each add then waited on a store and a load.) 5 rows x 16
+// columns ran its loop 9% faster than 6 x 8, whose pairs of q, broadcast a madd each, took more of the
+// vector pipes than the 5 x 16's, broadcast for two.
+TM_INLINE void window_5x16(const uint8_t* row, const int16_t* q, int64_t K, int64_t quads, const int32_t* sum_q,
+                           const float* step, const float* scale, float* out) {
+  static const __m256i kLowBytes = {0x00ff00ff00ff00ffLL, 0x00ff00ff00ff00ffLL, 0x00ff00ff00ff00ffLL, 0x00ff00ff00ff00ffLL};
   const int16_t* q3 = q + 3 * K;
   const int64_t ld = K * int64_t(sizeof(int16_t));
-#define TM_ROW(X, S0, S1)              \
-  "vpbroadcastq " X ", %%ymm2\n\t"     \
-  "vpmaddwd %%ymm0, %%ymm2, %%ymm3\n\t" \
-  "vpaddd %%ymm3, " S0 ", " S0 "\n\t"  \
-  "vpmaddwd %%ymm1, %%ymm2, %%ymm3\n\t" \
-  "vpaddd %%ymm3, " S1 ", " S1 "\n\t"
+#define TM_ROW(X, X2, S, T)                \
+  "vpbroadcastd " X ", %%ymm2\n\t"         \
+  "vpmaddwd %%ymm0, %%ymm2, %%ymm3\n\t"    \
+  "vpaddd %%ymm3, " S ", " S "\n\t"        \
+  "vpmaddwd %%ymm12, %%ymm2, %%ymm3\n\t"   \
+  "vpaddd %%ymm3, " T ", " T "\n\t"        \
+  "vpbroadcastd " X2 ", %%ymm2\n\t"        \
+  "vpmaddwd %%ymm1, %%ymm2, %%ymm3\n\t"    \
+  "vpaddd %%ymm3, " S ", " S "\n\t"        \
+  "vpmaddwd %%ymm13, %%ymm2, %%ymm3\n\t"   \
+  "vpaddd %%ymm3, " T ", " T "\n\t"
+#define TM_SCALE(I, Y, Y2, S, T)                 \
+  "vpbroadcastd " I "(%[sq]), %%ymm2\n\t"        \
+  "vpslld $7, %%ymm2, %%ymm2\n\t"                \
+  "vpsubd %%ymm2, " S ", " S "\n\t"              \
+  "vpsubd %%ymm2, " T ", " T "\n\t"              \
+  "vcvtdq2ps " S ", " S "\n\t"                   \
+  "vcvtdq2ps " T ", " T "\n\t"                   \
+  "vbroadcastss " I "(%[st]), %%ymm2\n\t"        \
+  "vmulps (%[sc]), %%ymm2, %%ymm3\n\t"           \
+  "vfmadd213ps " Y "(%[out]), %%ymm3, " S "\n\t" \
+  "vmovups " S ", " Y "(%[out])\n\t"             \
+  "vmulps 32(%[sc]), %%ymm2, %%ymm3\n\t"         \
+  "vfmadd213ps " Y2 "(%[out]), %%ymm3, " T "\n\t" \
+  "vmovups " T ", " Y2 "(%[out])\n\t"
   asm volatile(
       "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
       "vmovdqa %%ymm4, %%ymm5\n\t" "vmovdqa %%ymm4, %%ymm6\n\t" "vmovdqa %%ymm4, %%ymm7\n\t"
       "vmovdqa %%ymm4, %%ymm8\n\t" "vmovdqa %%ymm4, %%ymm9\n\t" "vmovdqa %%ymm4, %%ymm10\n\t"
-      "vmovdqa %%ymm4, %%ymm11\n\t" "vmovdqa %%ymm4, %%ymm12\n\t" "vmovdqa %%ymm4, %%ymm13\n\t"
-      "vmovdqa %%ymm4, %%ymm14\n\t" "vmovdqa %%ymm4, %%ymm15\n\t"
+      "vmovdqa %%ymm4, %%ymm11\n\t" "vmovdqa %%ymm4, %%ymm14\n\t" "vmovdqa %%ymm4, %%ymm15\n\t"
       "1:\n\t"
-      "vpmovzxbw (%[row]), %%ymm0\n\t"
-      "vpmovzxbw 16(%[row]), %%ymm1\n\t"
-      TM_ROW("(%[q0])", "%%ymm4", "%%ymm5")
-      TM_ROW("(%[q0], %[ld])", "%%ymm6", "%%ymm7")
-      TM_ROW("(%[q0], %[ld], 2)", "%%ymm8", "%%ymm9")
-      TM_ROW("(%[q3])", "%%ymm10", "%%ymm11")
-      TM_ROW("(%[q3], %[ld])", "%%ymm12", "%%ymm13")
-      TM_ROW("(%[q3], %[ld], 2)", "%%ymm14", "%%ymm15")
+      "vmovdqu (%[row]), %%ymm0\n\t"
+      "vmovdqu 32(%[row]), %%ymm12\n\t"
+      "vpsrlw $8, %%ymm0, %%ymm1\n\t"
+      "vpand %[low], %%ymm0, %%ymm0\n\t"
+      "vpsrlw $8, %%ymm12, %%ymm13\n\t"
+      "vpand %[low], %%ymm12, %%ymm12\n\t"
+      TM_ROW("(%[q0])", "4(%[q0])", "%%ymm4", "%%ymm5")
+      TM_ROW("(%[q0], %[ld])", "4(%[q0], %[ld])", "%%ymm6", "%%ymm7")
+      TM_ROW("(%[q0], %[ld], 2)", "4(%[q0], %[ld], 2)", "%%ymm8", "%%ymm9")
+      TM_ROW("(%[q3])", "4(%[q3])", "%%ymm10", "%%ymm11")
+      TM_ROW("(%[q3], %[ld])", "4(%[q3], %[ld])", "%%ymm14", "%%ymm15")
       "add $8, %[q0]\n\t"
       "add $8, %[q3]\n\t"
       "add $128, %[row]\n\t"
       "dec %[n]\n\t"
       "jnz 1b\n\t"
-      "vmovdqu %%ymm4, (%[s])\n\t" "vmovdqu %%ymm5, 32(%[s])\n\t" "vmovdqu %%ymm6, 64(%[s])\n\t"
-      "vmovdqu %%ymm7, 96(%[s])\n\t" "vmovdqu %%ymm8, 128(%[s])\n\t" "vmovdqu %%ymm9, 160(%[s])\n\t"
-      "vmovdqu %%ymm10, 192(%[s])\n\t" "vmovdqu %%ymm11, 224(%[s])\n\t" "vmovdqu %%ymm12, 256(%[s])\n\t"
-      "vmovdqu %%ymm13, 288(%[s])\n\t" "vmovdqu %%ymm14, 320(%[s])\n\t" "vmovdqu %%ymm15, 352(%[s])"
+      TM_SCALE("0", "0", "32", "%%ymm4", "%%ymm5")
+      TM_SCALE("4", "128", "160", "%%ymm6", "%%ymm7")
+      TM_SCALE("8", "256", "288", "%%ymm8", "%%ymm9")
+      TM_SCALE("12", "384", "416", "%%ymm10", "%%ymm11")
+      TM_SCALE("16", "512", "544", "%%ymm14", "%%ymm15")
       : [q0] "+r"(q), [q3] "+r"(q3), [row] "+r"(row), [n] "+r"(quads)
-      : [ld] "r"(ld), [s] "r"(&s[0][0])
+      : [ld] "r"(ld), [sq] "r"(sum_q), [st] "r"(step), [sc] "r"(scale), [out] "r"(out), [low] "m"(kLowBytes)
       : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
         "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
 #undef TM_ROW
-}
-
-template <int R, bool nibbles>
-TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int64_t m0, int64_t K, int64_t w,
-                           int64_t wsz, int32_t (*sums)[kStrip]) {
-  constexpr int G = kPassVectors<R>;
-  constexpr int64_t kRowK = nibbles ? 2 * kQuad : kQuad;
-  const int16_t* q = rows.q.data() + m0 * K;
-  const int64_t windows = K / wsz;
-  for (int g0 = 0; g0 < kStrip / 4; g0 += G) {
-    __m256i acc[R][G];  // int32 lanes: (column, k 0-1), (column, k 2-3) for 4 columns
-    if constexpr (R == 6 && G == 2 && !nibbles) {  // dot_gemm's full tiles (kDotTileRows rows)
-      sums_6x8(strip + (w * wsz / kRowK) * kQuadRowBytes + g0 * 4 * kQuad, q + w * wsz, K, wsz / kRowK, acc);
-    } else {
-      for (int i = 0; i < R; ++i)
-        for (int g = 0; g < G; ++g) acc[i][g] = _mm256_setzero_si256();
-      for (int64_t k = w * wsz; k < (w + 1) * wsz; k += kRowK) {
-        const uint8_t* row = strip + (k / kRowK) * kQuadRowBytes + g0 * 4 * kQuad;
-        for (int g = 0; g < G; ++g) {
-          // 4 columns' 4 bytes, widened: 16-bit lane l holds column l / 4's byte l % 4
-          const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
-          for (int i = 0; i < R; ++i) {
-            int64_t x4;  // q at k..k+3, in every column's 4 lanes
-            std::memcpy(&x4, q + i * K + k, 8);
-            if constexpr (nibbles) {
-              int64_t x4_high;
-              std::memcpy(&x4_high, q + i * K + k + kQuad, 8);
-              const __m256i low = _mm256_and_si256(codes, _mm256_set1_epi16(0x0f)), high = _mm256_srli_epi16(codes, 4);
-              acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(low, _mm256_set1_epi64x(x4)));
-              acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(high, _mm256_set1_epi64x(x4_high)));
-            } else {
-              acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(codes, _mm256_set1_epi64x(x4)));
-            }
-          }
-        }
-      }
-    }
-    // Adjacent lanes are one column's: added, 8 columns a vector. The int32 lanes may wrap where an
-    // int8 window is long (its codes carry 128 each): the sum less 128 * sum(q) fits, and wraps back.
-    for (int i = 0; i < R; ++i) {
-      const __m256i offset = _mm256_set1_epi32(nibbles ? 0 : 128 * rows.sum_q[(m0 + i) * windows + w]);
-      for (int g = 0; g < G; g += 2) {
-        const __m256i pairs = _mm256_hadd_epi32(acc[i][g], acc[i][g + 1]);  // columns 0 1 4 5 | 2 3 6 7
-        const __m256i columns = _mm256_sub_epi32(_mm256_permute4x64_epi64(pairs, 0xd8), offset);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[i] + (g0 + g) * 4), columns);
-      }
-    }
-  }
+#undef TM_SCALE
 }
 #else
 template <int R, bool nibbles>
@@ -334,13 +391,25 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
   const int64_t K = B.K, wsz = B.wsz, windows = K / wsz;
   const uint8_t* strip = B.strip(n);
   float out[R][kStrip] = {};
+#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+  if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles
+    const int16_t* q = rows.q.data() + m0 * K;
+    for (int64_t w = 0; w < windows; ++w)
+      for (int g = 0; g < kStrip / 16; ++g)
+        window_5x16(strip + (w * wsz / kQuad) * kQuadRowBytes + g * 16 * kQuad, q + w * wsz, K, wsz / kQuad,
+                    rows.sum_q.data() + rows.at(m0, w), rows.step.data() + rows.at(m0, w), B.scale + w * B.N + n + g * 16,
+                    out[0] + g * 16);
+    for (int i = 0; i < R; ++i) std::memcpy(y + i * B.N + n, out[i], sizeof(out[i]));
+    return;
+  }
+#endif
   for (int64_t w = 0; w < windows; ++w) {
     alignas(64) int32_t sums[R][kStrip];
     window_sums<R, nibbles>(strip, rows, m0, K, w, wsz, sums);
     const float* window_scale = B.scale + w * B.N + n;
     const float* window_offset = nibbles ? B.offset + w * B.N + n : nullptr;
     for (int i = 0; i < R; ++i) {
-      const int64_t at = (m0 + i) * windows + w;
+      const int64_t at = rows.at(m0 + i, w);
       scale_window<nibbles>(sums[i], rows.sum_q[at], rows.step[at], window_scale, window_offset, out[i]);
     }
   }
@@ -367,12 +436,13 @@ constexpr auto kDotTiles = dot_tile_table(std::make_integer_sequence<int, kDotTi
 
 // Columns [n0, n1) (whole strips) of y = x . B: up to kGemvRows rows (decoding) in one pass over the
 // strips, each streamed from memory once; more in tiles of up to kDotTileRows rows over each strip,
-// kMC rows of x at a time so that they stay in L2 while the block's strips pass.
+// kDotMC rows of x at a time so that they stay in L2 while the block's strips pass.
 static void dot_gemm(int64_t M, const IntWeights& B, const QuantizedRows& rows, float* y, int64_t n0, int64_t n1) {
+  constexpr int64_t kDotMC = 8 * kDotTileRows;  // whole tiles (gemm.h's kMC: 8 of its own)
   if (M <= kGemvRows) return kDotTiles[M - 1](B, rows, y, 0, n0, n1);
-  for (int64_t mc = 0; mc < M; mc += kMC)
+  for (int64_t mc = 0; mc < M; mc += kDotMC)
     for (int64_t n = n0; n < n1; n += kStrip)
-      for (int64_t m = mc; m < std::min(M, mc + kMC); m += kDotTileRows) {
+      for (int64_t m = mc; m < std::min(M, mc + kDotMC); m += kDotTileRows) {
         const int64_t r = std::min<int64_t>(kDotTileRows, M - m);
         kDotTiles[r - 1](B, rows, y, m, n, n + kStrip);
       }
