@@ -56,12 +56,14 @@ def perplexity(llm: LLM) -> float:
     return math.exp(-np.mean(logprobs))
 
 
-@pytest.mark.parametrize("kind", ["int8", "w8a16", "w8a16_int"])
-def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind):
+@pytest.mark.parametrize("kind,kv_cache_dtype", [("int8", "auto"), ("w8a16", "auto"), ("w8a16_int", "auto"),
+                                                  ("w8a16_int", "bfloat16")])
+def test_8bit_weights_keep_greedy_output_and_perplexity(smollm2, fp32, kind, kv_cache_dtype):
     """int8: float32 inputs; w8a16: the same weights, inputs rounded to bfloat16 (multiplied with
     AMX or AVX512-BF16 where the CPU has them); w8a16_int: inputs quantized to 16-bit integers
-    (integer dot products, AVX512-VNNI where the CPU has it)."""
-    quantized = LLM(smollm2, quantization=kind, **ENGINE)
+    (integer dot products, AVX512-VNNI where the CPU has it), also with a bfloat16 KV cache (the two
+    roundings together still meet the bar)."""
+    quantized = LLM(smollm2, quantization=kind, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     assert quantized.engine.model.config.quantization == kind
     assert str(quantized.engine.model.params["layers"]["wq"].dtype) == "int8"
     assert_near_float32(fp32, quantized)
