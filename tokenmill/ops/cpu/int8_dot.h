@@ -391,19 +391,16 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
   const int64_t K = B.K, wsz = B.wsz, windows = K / wsz;
   const uint8_t* strip = B.strip(n);
   float out[R][kStrip] = {};
-#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
-  if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles
-    const int16_t* q = rows.q.data() + m0 * K;
-    for (int64_t w = 0; w < windows; ++w)
-      for (int g = 0; g < kStrip / 16; ++g)
-        window_5x16(strip + (w * wsz / kQuad) * kQuadRowBytes + g * 16 * kQuad, q + w * wsz, K, wsz / kQuad,
-                    rows.sum_q.data() + rows.at(m0, w), rows.step.data() + rows.at(m0, w), B.scale + w * B.N + n + g * 16,
-                    out[0] + g * 16);
-    for (int i = 0; i < R; ++i) std::memcpy(y + i * B.N + n, out[i], sizeof(out[i]));
-    return;
-  }
-#endif
   for (int64_t w = 0; w < windows; ++w) {
+#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+    if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
+      for (int g = 0; g < kStrip / 16; ++g)
+        window_5x16(strip + (w * wsz / kQuad) * kQuadRowBytes + g * 16 * kQuad, rows.q.data() + m0 * K + w * wsz, K,
+                    wsz / kQuad, rows.sum_q.data() + rows.at(m0, w), rows.step.data() + rows.at(m0, w),
+                    B.scale + w * B.N + n + g * 16, out[0] + g * 16);
+      continue;
+    }
+#endif
     alignas(64) int32_t sums[R][kStrip];
     window_sums<R, nibbles>(strip, rows, m0, K, w, wsz, sums);
     const float* window_scale = B.scale + w * B.N + n;
