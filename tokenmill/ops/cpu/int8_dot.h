@@ -45,12 +45,15 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+#define TOKENMILL_AVX2_PAIRS 1  // VPMADDWD on pairs of q: pair_quads, split_codes, window_5x16
+#endif
 
 namespace {
 
 constexpr int64_t kQuad = 4;  // k per group of bytes a VPDPBUSD lane sums
 constexpr int64_t kQuadRowBytes = kStrip * kQuad;  // one row of a quad strip: 128 bytes
-#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+#if defined(TOKENMILL_AVX2_PAIRS)
 constexpr int kDotTileRows = 5;  // rows per tile of the GEMM (AVX2: window_5x16)
 #else
 constexpr int kDotTileRows = 6;  // rows per tile of the GEMM (VNNI: 24 of the 32 vector registers hold sums)
@@ -90,7 +93,7 @@ struct QuantizedRows {
   }
 };
 
-#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+#if defined(TOKENMILL_AVX2_PAIRS)
 // AVX2's order of q: each quad (k 0-3) stored as (q0, q2, q1, q3), so that one 32-bit broadcast holds
 // the two k that meet a column's even code bytes (k 0 and 2) or its odd ones (k 1 and 3); see window_sums
 TM_INLINE void pair_quads(int16_t* q, int64_t n) {
@@ -143,7 +146,7 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
 #if defined(TOKENMILL_VNNI)
       out.sum_hi[at] = sum_hi;
       out.sum_lo[at] = sum_lo;
-#elif defined(__AVX2__)
+#elif defined(TOKENMILL_AVX2_PAIRS)
       pair_quads(qs, wsz);
 #endif
     }
@@ -223,7 +226,7 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
     for (int j = 0; j < kStrip; ++j) sums[i][j] = kSplit * (parts[0][j] - hi_offset) + (parts[1][j] - lo_offset);
   }
 }
-#elif defined(__AVX2__)
+#elif defined(TOKENMILL_AVX2_PAIRS)
 // AVX2: 32 bytes of a strip's row (8 columns' 4 bytes) split into 16-bit lanes, column c's two in lanes
 // 2c and 2c + 1, in the order of x's q (pair_quads): int8 codes' even bytes (an AND: k 0 and 2), then
 // the odd ones (a shift: k 1 and 3); 4-bit codes the same of their low nibbles (k 0-3), then of the high
@@ -392,7 +395,7 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
   const uint8_t* strip = B.strip(n);
   float out[R][kStrip] = {};
   for (int64_t w = 0; w < windows; ++w) {
-#if defined(__AVX2__) && !defined(TOKENMILL_VNNI)
+#if defined(TOKENMILL_AVX2_PAIRS)
     if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
       for (int g = 0; g < kStrip / 16; ++g)
         window_5x16(strip + (w * wsz / kQuad) * kQuadRowBytes + g * 16 * kQuad, rows.q.data() + m0 * K + w * wsz, K,
