@@ -118,8 +118,9 @@ def test_padding_rows_are_skipped_and_zeroed(monkeypatch, dtype, bf16, dot):
                                                (jnp.int8, False, "quads")])
 def test_gated_product_is_silu_of_gate_times_up(monkeypatch, M, N, dtype, bf16, layout):
     """`gated="silu"` (a gated MLP's fused gate/up projection [K, 2I]): y [M, I] = silu(x . gate) * (x . up),
-    on every path: activated in cache where the float32 GEMM splits a prefill's rows, after the whole
-    product elsewhere (decoding, 8-bit inputs, halves of part strips); the rows after `rows` zeros."""
+    on every path: activated in cache where the float32 GEMM splits a prefill's rows and tile by tile
+    on the integer path (quads, whole strips), after the whole product elsewhere (decoding, bfloat16
+    inputs, halves of part strips); the rows after `rows` zeros."""
     require_kernel()
     monkeypatch.setenv("TOKENMILL_LINEAR_BACKEND", "cpu_kernel")
     K = 320

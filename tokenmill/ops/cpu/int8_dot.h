@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "silu.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TOKENMILL_VNNI 1
@@ -386,14 +387,14 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
 #endif
 
 // Rows [0, R) of x (quantized, from `rows`' row m0) times the strip of columns [n, n + 32), all K,
-// into y's rows (leading dimension N): windows in order, each summed in integers and then scaled.
+// into out: windows in order, each summed in integers and then scaled.
 // (Decoding streams each strip from memory once, and is not prefetched in software: the hardware's
 // prefetchers follow the strips, and each line's PREFETCHT0 ahead cost SmolLM2's decoding about 8%.)
 template <int R, bool nibbles>
-static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0, float* y, int64_t n) {
+static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0, int64_t n, float (*out)[kStrip]) {
   const int64_t K = B.K, wsz = B.wsz, windows = K / wsz;
   const uint8_t* strip = B.strip(n);
-  float out[R][kStrip] = {};
+  std::fill(out[0], out[0] + R * kStrip, 0.f);
   for (int64_t w = 0; w < windows; ++w) {
 #if defined(TOKENMILL_AVX2_PAIRS)
     if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
@@ -413,38 +414,48 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
       scale_window<nibbles>(sums[i], rows.sum_q[at], rows.step[at], window_scale, window_offset, out[i]);
     }
   }
-  for (int i = 0; i < R; ++i) std::memcpy(y + i * B.N + n, out[i], sizeof(out[i]));
 }
 
-// Rows [m, m + R) of y over the strips of columns [n0, n1)
+// Rows [m, m + R) of y over the strips of columns [n0, n1). `gated` (B a fused gate/up projection,
+// y [M, N / 2]): column n of y is silu(x . gate column n) * (x . up column N / 2 + n), activated while
+// both strips' products are in registers' reach (silu.h), so that the [M, N] product never goes to memory.
 template <int R>
-static void dot_tiles(const IntWeights& B, const QuantizedRows& rows, float* y, int64_t m, int64_t n0, int64_t n1) {
+static void dot_tiles(const IntWeights& B, const QuantizedRows& rows, float* y, int64_t m, int64_t n0, int64_t n1,
+                      bool gated) {
+  const auto strip = B.nibbles ? &dot_strip<R, true> : &dot_strip<R, false>;
+  const int64_t ld = gated ? B.N / 2 : B.N;
   for (int64_t n = n0; n < n1; n += kStrip) {
-    if (B.nibbles)
-      dot_strip<R, true>(B, rows, m, y + m * B.N, n);
-    else
-      dot_strip<R, false>(B, rows, m, y + m * B.N, n);
+    float out[2][R][kStrip];  // [gate or all, up][row][column]
+    strip(B, rows, m, n, out[0]);
+    if (gated) {
+      strip(B, rows, m, ld + n, out[1]);
+      silu_gate(out[0][0], kStrip, R * kStrip, R, kStrip, y + m * ld + n, ld);
+    } else {
+      for (int i = 0; i < R; ++i) std::memcpy(y + (m + i) * ld + n, out[0][i], sizeof(out[0][i]));
+    }
   }
 }
 
 template <int... Rs>
 constexpr auto dot_tile_table(std::integer_sequence<int, Rs...>) {
-  using Tiles = void (*)(const IntWeights&, const QuantizedRows&, float*, int64_t, int64_t, int64_t);
+  using Tiles = void (*)(const IntWeights&, const QuantizedRows&, float*, int64_t, int64_t, int64_t, bool);
   return std::array<Tiles, sizeof...(Rs)>{&dot_tiles<Rs + 1>...};
 }
 constexpr auto kDotTiles = dot_tile_table(std::make_integer_sequence<int, kDotTileRows>{});  // [r - 1]: r rows
 
-// Columns [n0, n1) (whole strips) of y = x . B: up to kGemvRows rows (decoding) in one pass over the
-// strips, each streamed from memory once; more in tiles of up to kDotTileRows rows over each strip,
-// kDotMC rows of x at a time so that they stay in L2 while the block's strips pass.
-static void dot_gemm(int64_t M, const IntWeights& B, const QuantizedRows& rows, float* y, int64_t n0, int64_t n1) {
+// Columns [n0, n1) (whole strips) of y = x . B (`gated`: of y = silu(x . gate) * (x . up), dot_tiles):
+// up to kGemvRows rows (decoding) in one pass over the strips, each streamed from memory once; more in
+// tiles of up to kDotTileRows rows over each strip, kDotMC rows of x at a time so that they stay in L2
+// while the block's strips pass.
+static void dot_gemm(int64_t M, const IntWeights& B, const QuantizedRows& rows, float* y, int64_t n0, int64_t n1,
+                     bool gated = false) {
   constexpr int64_t kDotMC = 8 * kDotTileRows;  // whole tiles (gemm.h's kMC: 8 of its own)
-  if (M <= kGemvRows) return kDotTiles[M - 1](B, rows, y, 0, n0, n1);
+  if (M <= kGemvRows) return kDotTiles[M - 1](B, rows, y, 0, n0, n1, gated);
   for (int64_t mc = 0; mc < M; mc += kDotMC)
     for (int64_t n = n0; n < n1; n += kStrip)
       for (int64_t m = mc; m < std::min(M, mc + kDotMC); m += kDotTileRows) {
         const int64_t r = std::min<int64_t>(kDotTileRows, M - m);
-        kDotTiles[r - 1](B, rows, y, m, n, n + kStrip);
+        kDotTiles[r - 1](B, rows, y, m, n, n + kStrip, gated);
       }
 }
 

@@ -27,8 +27,9 @@
 //
 // `gated` (a gated MLP's fused gate/up projection, [K, 2I]): y [M, I] = silu(x . gate) * (x . up). Where
 // the float32 GEMM splits a prefill's rows, it activates each kNC gate columns and their up columns
-// while they are in L2 (silu.h), so that the [M, 2I] product never goes to memory; elsewhere the whole
-// product goes to a buffer first (GatedByParts).
+// while they are in L2 (silu.h), so that the [M, 2I] product never goes to memory; the integer dot
+// products (w8a16_int, gguf_int) activate each tile of a gate strip and its up strip as it is made
+// (int8_dot.h's dot_tiles), at every M; elsewhere the whole product goes to a buffer first (GatedByParts).
 //
 // `bf16` (--quantization w8a16): x is rounded to bfloat16 (ties to even) and multiplies the 8-bit
 // weights. 1: on the float32 path; 2: with the CPU's bfloat16 dot products (bf16_pack.h: the codes
@@ -113,12 +114,13 @@ constexpr int64_t kRowChunks = 4;
 
 // --quantization w8a16_int / gguf_int (int8_dot.h): x quantized to 16-bit integers per window, times
 // int8 weights in quad strips [L, N / 32, K / 4, 32, 4] (codes + 128), or 4-bit codes in nibble quad
-// strips [L, N / 32, K / 8, 32, 4] (with offsets), with integer dot products
+// strips [L, N / 32, K / 8, 32, 4] (with offsets), with integer dot products; `gated`: y [M, N / 2] =
+// silu(x . gate) * (x . up), activated strip by strip (int8_dot.h's dot_tiles; N / 2 whole strips)
 ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const ffi::AnyBuffer& w,
                         const ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::F32>& offset, int64_t layer,
-                        float* y, int64_t wsz) {
+                        float* y, int64_t wsz, bool gated) {
   auto wd = w.dimensions();
-  const int64_t L = wd[0], N = wd[1] * kStrip;
+  const int64_t L = wd[0], N = wd[1] * kStrip, out_columns = gated ? N / 2 : N;
   IntWeights B;
   B.nibbles = offset.element_count() != 0;
   B.K = K;
@@ -155,9 +157,12 @@ ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_
   // decoding, two long ones, which the hardware's prefetchers stream better than many short ones
   // (SmolLM2's W2 decode, 3 rounds: 24 blocks a thread 137-143 tok/s, 2 blocks 149-169)
   const int64_t per_thread = M <= kGemvRows ? 2 : 4;
-  const int64_t block = round_up(std::max<int64_t>(kStrip, (N + per_thread * threads - 1) / (per_thread * threads)), kStrip);
-  const int64_t blocks = (N + block - 1) / block;
-  auto run = [&](int64_t i, NoState&) { dot_gemm(M, B, rows, y, i * block, std::min(N, (i + 1) * block)); };
+  const int64_t block = round_up(
+      std::max<int64_t>(kStrip, (out_columns + per_thread * threads - 1) / (per_thread * threads)), kStrip);
+  const int64_t blocks = (out_columns + block - 1) / block;
+  auto run = [&](int64_t i, NoState&) {
+    dot_gemm(M, B, rows, y, i * block, std::min(out_columns, (i + 1) * block), gated);
+  };
   if (alone) {
     NoState none;
     for (int64_t i = 0; i < blocks; ++i) run(i, none);
@@ -227,8 +232,10 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
   if (out_count != size_t(xd[0] * (gated != kNotGated ? N / 2 : N)))
     return ffi::Error::InvalidArgument("linear: expected y [M, N] (gated: [M, N / 2])");
   if (quads) {
-    if (gated != kNotGated) return GatedByParts(pool, x, w, scale, offset, layer, out, M, N, wsz, bf16);
-    return LinearIntDot(pool, x.typed_data(), M, K, w, scale, offset, layer.typed_data()[0], out, wsz);
+    if (gated != kNotGated && (N / 2) % kStrip != 0)
+      return GatedByParts(pool, x, w, scale, offset, layer, out, M, N, wsz, bf16);
+    return LinearIntDot(pool, x.typed_data(), M, K, w, scale, offset, layer.typed_data()[0], out, wsz,
+                        gated != kNotGated);
   }
   if (!uint4 && offset.element_count() != 0)
     return ffi::Error::InvalidArgument("linear: offsets go with 4-bit weights only");
@@ -373,8 +380,8 @@ ffi::Error LinearRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyB
   return ffi::Error::Success();
 }
 
-// A gated product where the GEMM cannot activate it in cache (decoding, bfloat16 or 16-bit integer
-// inputs): the whole product [M, N] into a buffer, then y [M, N / 2] = silu(its first half) * its second
+// A gated product where the GEMM cannot activate it in cache (decoding, bfloat16 inputs, 16-bit integer
+// ones where I is not whole strips): the whole product [M, N] into a buffer, then y [M, N / 2] = silu(its first half) * its second
 ffi::Error GatedByParts(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w,
                         ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& offset, ffi::Buffer<ffi::S32>& layer,
                         float* out, int64_t M, int64_t N, int64_t wsz, int64_t bf16) {
