@@ -38,10 +38,12 @@
 // whatever the batch); as 1 where the build has neither or the scale windows do not fit.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "parallel.h"
@@ -145,14 +147,14 @@ ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_
   const int64_t threads = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   struct NoState {};
   auto make = [] { return std::make_unique<NoState>(); };
-  if (M >= kMC * threads && threads > 1) {  // a prefill's rows: quantized by every thread
-    const int64_t chunk = (M + 4 * threads - 1) / (4 * threads);
-    parallel_for<NoState>(pool, (M + chunk - 1) / chunk, make, [&](int64_t i, NoState&) {
-      quantize_rows(K, wsz, x, rows, i * chunk, std::min(M, (i + 1) * chunk));
-    });
-  } else {
-    quantize_rows(K, wsz, x, rows, 0, M);
-  }
+  // x's rows are quantized by every thread, as the call's first items (a prefill's in 4 chunks a thread,
+  // a decode step's in one), and the blocks of dot products follow: a thread that claims a block waits
+  // for the chunks still being quantized, all claimed before it by threads that run. Quantized apart by
+  // the calling thread, a decode step's 64 rows left the helper idle meanwhile (3% of the step); a
+  // prefill's took a parallel call of their own. A GEMV's rows are too few to share.
+  const int64_t chunks = threads > 1 && M > kGemvRows ? (M >= kMC * threads ? 4 : 1) * threads : 0;
+  if (chunks == 0) quantize_rows(K, wsz, x, rows, 0, M);
+  std::atomic<int64_t> quantized{0};
   // blocks of whole strips, a few per thread so that a late helper leaves little to the others; when
   // decoding, two long ones, which the hardware's prefetchers stream better than many short ones
   // (SmolLM2's W2 decode, 3 rounds: 24 blocks a thread 137-143 tok/s, 2 blocks 149-169)
@@ -161,13 +163,25 @@ ffi::Error LinearIntDot(ffi::ThreadPool& pool, const float* x, int64_t M, int64_
       std::max<int64_t>(kStrip, (out_columns + per_thread * threads - 1) / (per_thread * threads)), kStrip);
   const int64_t blocks = (out_columns + block - 1) / block;
   auto run = [&](int64_t i, NoState&) {
-    dot_gemm(M, B, rows, y, i * block, std::min(out_columns, (i + 1) * block), gated);
+    if (i < chunks) {
+      quantize_rows(K, wsz, x, rows, M * i / chunks, M * (i + 1) / chunks);
+      quantized.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; quantized.load(std::memory_order_acquire) < chunks; ++spins) {
+      if (spins < 64)
+        cpu_relax();
+      else
+        std::this_thread::yield();
+    }
+    const int64_t n0 = (i - chunks) * block;
+    dot_gemm(M, B, rows, y, n0, std::min(out_columns, n0 + block), gated);
   };
   if (alone) {
     NoState none;
     for (int64_t i = 0; i < blocks; ++i) run(i, none);
   } else {
-    parallel_for<NoState>(pool, blocks, make, run, /*spin=*/M <= kGemvRows);
+    parallel_for<NoState>(pool, chunks + blocks, make, run, /*spin=*/M <= kGemvRows);
   }
   return ffi::Error::Success();
 }
