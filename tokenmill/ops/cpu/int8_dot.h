@@ -418,7 +418,7 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
 
 // Rows [m, m + R) of y over the strips of columns [n0, n1). `gated` (B a fused gate/up projection,
 // y [M, N / 2]): column n of y is silu(x . gate column n) * (x . up column N / 2 + n), activated while
-// both strips' products are in registers' reach (silu.h), so that the [M, N] product never goes to memory.
+// both strips' tiles are in L1 (silu.h), so that the [M, N] product never goes to memory.
 template <int R>
 static void dot_tiles(const IntWeights& B, const QuantizedRows& rows, float* y, int64_t m, int64_t n0, int64_t n1,
                       bool gated) {
