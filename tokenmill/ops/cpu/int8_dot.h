@@ -448,7 +448,7 @@ constexpr auto kDotTiles = dot_tile_table(std::make_integer_sequence<int, kDotTi
 // tiles of up to kDotTileRows rows over each strip, kDotMC rows of x at a time so that they stay in L2
 // while the block's strips pass.
 static void dot_gemm(int64_t M, const IntWeights& B, const QuantizedRows& rows, float* y, int64_t n0, int64_t n1,
-                     bool gated = false) {
+                     bool gated) {
   constexpr int64_t kDotMC = 8 * kDotTileRows;  // whole tiles (gemm.h's kMC: 8 of its own)
   if (M <= kGemvRows) return kDotTiles[M - 1](B, rows, y, 0, n0, n1, gated);
   for (int64_t mc = 0; mc < M; mc += kDotMC)
