@@ -30,6 +30,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
@@ -55,10 +59,17 @@ TM_INLINE v8f load8(const float* p) {
 }
 
 TM_INLINE v8f load8(const uint16_t* p) {  // bfloat16 → float32
+#if defined(__AVX2__)
+  // one vpmovzxwd from memory: GCC widens the vector extension's form half by half (six instructions,
+  // and on AVX-512 a spill)
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return (v8f)w;
+#else
   v8h h;
   std::memcpy(&h, p, sizeof(h));
   v8u w = __builtin_convertvector(h, v8u) << 16;
   return (v8f)w;
+#endif
 }
 
 TM_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
@@ -84,8 +95,6 @@ struct Vec<8> {
 #if defined(__AVX512F__)
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
 template <>
 struct Vec<16> {
@@ -96,10 +105,9 @@ struct Vec<16> {
     std::memcpy(&x, p, sizeof(x));
     return x;
   }
-  TM_INLINE v16f load(const uint16_t* p) {  // bfloat16 → float32
-    v16h h;
-    std::memcpy(&h, p, sizeof(h));
-    v16u w = __builtin_convertvector(h, v16u) << 16;
+  TM_INLINE v16f load(const uint16_t* p) {  // bfloat16 → float32, one vpmovzxwd (as load8)
+    const __m512i w =
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
     return (v16f)w;
   }
   TM_INLINE v8f fold(v16f x) {
@@ -168,38 +176,51 @@ TM_INLINE v8f reduce8(const v8f* a) {
          __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// s[g * kChunk + j] = q[g] · k_j for GN heads and the eight keys k_j = k[j] + off, on W-wide vectors.
+// Keys a pass of scores8 takes for GN heads: GN x keys accumulators, the GN q vectors and a K vector
+// in the registers (AVX-512's 32: eight keys for up to three heads; AVX2's 16: eight keys for one head,
+// four for two or three).
+#if defined(__AVX512F__)
+template <int GN>
+constexpr int kScoreKeys = 8;
+#else
+template <int GN>
+constexpr int kScoreKeys = GN == 1 ? 8 : 4;
+#endif
+
+// s[g * kChunk + j] = q[g] · k_j for GN heads and the eight keys k_j = k[j] + off, on W-wide vectors,
+// kScoreKeys<GN> keys a pass: each K vector is loaded (and, from bfloat16, widened) once for all GN
+// heads. A score's sum does not depend on GN or the pass: its vector chain over d in order, then reduce8.
 template <int GN, int W, typename KT>
 TM_INLINE void scores8(const float* q, const KT* const* k, int64_t off, int64_t D, float* s) {
   using V = typename Vec<W>::type;
-  V a[GN][8];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 8; ++j) a[g][j] = V{};
+  constexpr int KP = kScoreKeys<GN>;
+  v8f folded[GN][8];
   int64_t d = 0;
-  for (; d + W <= D; d += W) {
-    V qv[GN];
-    for (int g = 0; g < GN; ++g) qv[g] = Vec<W>::load(q + g * D + d);
-    for (int j = 0; j < 8; ++j) {
-      const V x = Vec<W>::load(k[j] + off + d);
-      for (int g = 0; g < GN; ++g) a[g][j] += qv[g] * x;
+  for (int j0 = 0; j0 < 8; j0 += KP) {
+    V a[GN][KP];
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < KP; ++j) a[g][j] = V{};
+    for (d = 0; d + W <= D; d += W) {
+      V qv[GN];
+      for (int g = 0; g < GN; ++g) qv[g] = Vec<W>::load(q + g * D + d);
+      for (int j = 0; j < KP; ++j) {
+        const V x = Vec<W>::load(k[j0 + j] + off + d);
+        for (int g = 0; g < GN; ++g) a[g][j] += qv[g] * x;
+      }
     }
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < KP; ++j) folded[g][j0 + j] = Vec<W>::fold(a[g][j]);
   }
   for (int g = 0; g < GN; ++g) {
-    v8f folded[8];
-    for (int j = 0; j < 8; ++j) folded[j] = Vec<W>::fold(a[g][j]);
-    v8f r = reduce8(folded);
+    v8f r = reduce8(folded[g]);
     for (int64_t e = d; e < D; ++e)  // head sizes that are not a multiple of 8
       for (int j = 0; j < 8; ++j) r[j] += q[g * D + e] * to_f32(k[j][off + e]);
     store8(s + g * kChunk, r);
   }
 }
 
-// Query heads scored together: each holds eight accumulators (AVX2's 16 registers fit one head).
-#if defined(__AVX512F__)
+// Query heads (of one kv head) scored together, in one pass over the keys.
 constexpr int kScoreGroup = 3;
-#else
-constexpr int kScoreGroup = 1;
-#endif
 
 // Software prefetch of the K slots `kPrefetchAhead` keys ahead of the one being scored, into L2
 // (prefetcht1): the keys of one request are scattered over blocks, which the hardware prefetcher
@@ -363,10 +384,8 @@ static void scores_all(const float* q, const KT* const* kp, int64_t off, int n, 
     const Prefetch<KT>& p = g0 == 0 ? pf : none;  // the first pass over the keys prefetches
     switch (std::min<int64_t>(kScoreGroup, G - g0)) {
       case 1: scores_group<1, W>(qg, kp, off, n, D, sg, p, next); break;
-#if defined(__AVX512F__)
       case 2: scores_group<2, W>(qg, kp, off, n, D, sg, p, next); break;
       default: scores_group<3, W>(qg, kp, off, n, D, sg, p, next); break;
-#endif
     }
   }
 }
