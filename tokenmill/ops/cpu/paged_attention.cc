@@ -312,13 +312,15 @@ static void scores_group(const float* q, const KT* const* kp, int64_t off, int n
   }
 }
 
-// Vectors of V per pass over the keys: AVX-512's 32 registers hold 4 x 4 heads' accumulators,
-// AVX2's 16 hold 2 x 4.
+// Vectors of V per pass over the keys for GN heads: AVX-512's 32 registers hold 4 x 4 heads'
+// accumulators; AVX2's 16 hold 4 x 3 (with the three weights and a V vector), or 2 x 4.
+constexpr int pv_vectors_per_pass(int64_t heads) {
 #if defined(__AVX512F__)
-constexpr int kPvVectors = 4;
+  return 4;
 #else
-constexpr int kPvVectors = 2;
+  return heads <= 3 ? 4 : 2;
 #endif
+}
 
 // Where P . V finds p[g][j]: at p + g * row + j * key (the one-token path's rows of kChunk scores, or
 // a tile's scores with its rows along the vector lanes)
@@ -347,11 +349,11 @@ TM_INLINE int64_t pv_vectors(const float* p, Strides P, const KT* const* vp, int
         const char* ahead = reinterpret_cast<const char*>(vp[j + kValuePrefetchAhead] + off + d);
         for (int b = 0; b < NV * W * int(sizeof(KT)); b += 64) __builtin_prefetch(ahead + b, 0, 3);
       }
-      V x[NV];
-      for (int v = 0; v < NV; ++v) x[v] = Vec<W>::load(vp[j] + off + d + v * W);
-      for (int g = 0; g < GN; ++g) {
-        const V w = Vec<W>::splat(p[g * P.row + j * P.key]);
-        for (int v = 0; v < NV; ++v) a[v][g] += w * x[v];
+      V w[GN];
+      for (int g = 0; g < GN; ++g) w[g] = Vec<W>::splat(p[g * P.row + j * P.key]);
+      for (int v = 0; v < NV; ++v) {  // one V vector live at a time
+        const V x = Vec<W>::load(vp[j] + off + d + v * W);
+        for (int g = 0; g < GN; ++g) a[v][g] += w[g] * x;
       }
     }
     for (int g = 0; g < GN; ++g)
@@ -363,7 +365,7 @@ TM_INLINE int64_t pv_vectors(const float* p, Strides P, const KT* const* vp, int
 template <int GN, int W, typename KT>
 static void pv_group(const float* p, Strides P, const KT* const* vp, int64_t valid, int64_t off, int n, int64_t D,
                      float* acc, NextItem<KT>* next = nullptr) {
-  int64_t d = pv_vectors<GN, W, kPvVectors>(p, P, vp, valid, off, n, 0, D, acc, next);
+  int64_t d = pv_vectors<GN, W, pv_vectors_per_pass(GN)>(p, P, vp, valid, off, n, 0, D, acc, next);
   d = pv_vectors<GN, W, 1>(p, P, vp, valid, off, n, d, D, acc, next);
   for (; d < D; ++d) {
     for (int g = 0; g < GN; ++g) {
@@ -622,9 +624,13 @@ static void attend(const Problem& pb, const QT* q, const KT* kc, const KT* vc, Q
     next.off = after.kh0 * D;
     next.count = next_len;
     // spread over this item's steps: 8 per group of 8 keys scored, 1 per key of each pass of P . V
-    const int64_t pv_passes = D / (kPvVectors * W) + D % (kPvVectors * W) / W;
+    int64_t pv_passes = 0;  // over all of pv_all's groups of heads
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+      const int64_t width = pv_vectors_per_pass(std::min<int64_t>(kMaxGroup, G - g0)) * W;
+      pv_passes += D / width + D % width / W;
+    }
     const int64_t steps = pb.span * ((uniform ? 0 : (G + kScoreGroup - 1) / kScoreGroup * (len + 7) / 8 * 8) +
-                                     (G + kMaxGroup - 1) / kMaxGroup * pv_passes * len);
+                                     pv_passes * len);
     const int64_t lines = next_len * 2 * (next.bytes / 64 + 1);
     next.per_step = steps > 0 ? lines / steps + 1 : 0;
   }
