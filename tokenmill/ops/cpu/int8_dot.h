@@ -227,6 +227,101 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
     for (int j = 0; j < kStrip; ++j) sums[i][j] = kSplit * (parts[0][j] - hi_offset) + (parts[1][j] - lo_offset);
   }
 }
+
+// dot_strip's full int8 tiles on VNNI, one window of them: 6 rows of x (hi and lo from `hi` and `lo` on,
+// rows K apart) times a quad strip's 32 columns (`row`: the window's first row of it) over `quads` rows of
+// the strip, the exact sums (kSplit * (hi's less 128 * sum(hi)) + lo's less 128 * sum(lo)) scaled into
+// out's float32 rows (128 bytes apart) as scale_window does. `rows`: the six rows' window sums of hi and
+// of lo and their steps (from row 0's on), and the columns' scales. One asm loop: 24 sums (zmm0-23), a
+// row of the strip (zmm24-25) and a broadcast quad of x. (As intrinsics, GCC copied the sums from
+// register to register and to the stack on every pass: 65% of W1's time, slower than the float32 path
+// on an AMD Zen 5.)
+struct WindowRows {
+  const int32_t* sum_hi;
+  const int32_t* sum_lo;
+  const float* step;
+  const float* scale;
+};
+
+TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* lo, int64_t K, int64_t quads,
+                           const WindowRows& rows, float* out) {
+  static const int32_t kSplitConst = kSplit;
+  const int8_t* hi3 = hi + 3 * K;
+  const int8_t* lo3 = lo + 3 * K;
+#define TM_QUAD(X, A, B)                 \
+  "vpbroadcastd " X ", %%zmm26\n\t"      \
+  "vpdpbusd %%zmm26, %%zmm24, " A "\n\t" \
+  "vpdpbusd %%zmm26, %%zmm25, " B "\n\t"
+#define TM_ROW(H, L, A, B, C, D) TM_QUAD(H, A, B) TM_QUAD(L, C, D)
+#define TM_SCALE(I, Y, Y2, A, B, C, D)               \
+  "vpbroadcastd " I "(%[h]), %%zmm26\n\t"            \
+  "vpslld $7, %%zmm26, %%zmm26\n\t"                  \
+  "vpsubd %%zmm26, " A ", " A "\n\t"                 \
+  "vpsubd %%zmm26, " B ", " B "\n\t"                 \
+  "vpbroadcastd " I "(%[l]), %%zmm26\n\t"            \
+  "vpslld $7, %%zmm26, %%zmm26\n\t"                  \
+  "vpsubd %%zmm26, " C ", " C "\n\t"                 \
+  "vpsubd %%zmm26, " D ", " D "\n\t"                 \
+  "vpmulld %%zmm28, " A ", " A "\n\t"                \
+  "vpmulld %%zmm28, " B ", " B "\n\t"                \
+  "vpaddd " C ", " A ", " A "\n\t"                   \
+  "vpaddd " D ", " B ", " B "\n\t"                   \
+  "vcvtdq2ps " A ", " A "\n\t"                       \
+  "vcvtdq2ps " B ", " B "\n\t"                       \
+  "vbroadcastss " I "(%[h3]), %%zmm26\n\t"           \
+  "vmulps (%[l3]), %%zmm26, %%zmm27\n\t"             \
+  "vfmadd213ps " Y "(%[out]), %%zmm27, " A "\n\t"    \
+  "vmovups " A ", " Y "(%[out])\n\t"                 \
+  "vmulps 64(%[l3]), %%zmm26, %%zmm27\n\t"           \
+  "vfmadd213ps " Y2 "(%[out]), %%zmm27, " B "\n\t"   \
+  "vmovups " B ", " Y2 "(%[out])\n\t"
+  asm volatile(
+      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
+      "vmovdqa64 %%zmm0, %%zmm1\n\t" "vmovdqa64 %%zmm0, %%zmm2\n\t" "vmovdqa64 %%zmm0, %%zmm3\n\t"
+      "vmovdqa64 %%zmm0, %%zmm4\n\t" "vmovdqa64 %%zmm0, %%zmm5\n\t" "vmovdqa64 %%zmm0, %%zmm6\n\t"
+      "vmovdqa64 %%zmm0, %%zmm7\n\t" "vmovdqa64 %%zmm0, %%zmm8\n\t" "vmovdqa64 %%zmm0, %%zmm9\n\t"
+      "vmovdqa64 %%zmm0, %%zmm10\n\t" "vmovdqa64 %%zmm0, %%zmm11\n\t" "vmovdqa64 %%zmm0, %%zmm12\n\t"
+      "vmovdqa64 %%zmm0, %%zmm13\n\t" "vmovdqa64 %%zmm0, %%zmm14\n\t" "vmovdqa64 %%zmm0, %%zmm15\n\t"
+      "vmovdqa64 %%zmm0, %%zmm16\n\t" "vmovdqa64 %%zmm0, %%zmm17\n\t" "vmovdqa64 %%zmm0, %%zmm18\n\t"
+      "vmovdqa64 %%zmm0, %%zmm19\n\t" "vmovdqa64 %%zmm0, %%zmm20\n\t" "vmovdqa64 %%zmm0, %%zmm21\n\t"
+      "vmovdqa64 %%zmm0, %%zmm22\n\t" "vmovdqa64 %%zmm0, %%zmm23\n\t"
+      "1:\n\t"
+      "vmovdqu64 (%[row]), %%zmm24\n\t"
+      "vmovdqu64 64(%[row]), %%zmm25\n\t"
+      TM_ROW("(%[h])", "(%[l])", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+      TM_ROW("(%[h], %[ld])", "(%[l], %[ld])", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+      TM_ROW("(%[h], %[ld], 2)", "(%[l], %[ld], 2)", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+      TM_ROW("(%[h3])", "(%[l3])", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+      TM_ROW("(%[h3], %[ld])", "(%[l3], %[ld])", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+      TM_ROW("(%[h3], %[ld], 2)", "(%[l3], %[ld], 2)", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+      "add $4, %[h]\n\t"
+      "add $4, %[l]\n\t"
+      "add $4, %[h3]\n\t"
+      "add $4, %[l3]\n\t"
+      "add $128, %[row]\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      // the loop's pointers are free now: the window's sums of hi and lo, steps and scales
+      "mov 0(%[rows]), %[h]\n\t"
+      "mov 8(%[rows]), %[l]\n\t"
+      "mov 16(%[rows]), %[h3]\n\t"
+      "mov 24(%[rows]), %[l3]\n\t"
+      "vpbroadcastd %[split], %%zmm28\n\t"
+      TM_SCALE("0", "0", "64", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+      TM_SCALE("4", "128", "192", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+      TM_SCALE("8", "256", "320", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+      TM_SCALE("12", "384", "448", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+      TM_SCALE("16", "512", "576", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+      TM_SCALE("20", "640", "704", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+      : [h] "+r"(hi), [l] "+r"(lo), [h3] "+r"(hi3), [l3] "+r"(lo3), [row] "+r"(row), [n] "+r"(quads)
+      : [ld] "r"(K), [rows] "r"(&rows), [out] "r"(out), [split] "m"(kSplitConst)
+      : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22",
+        "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28");
+#undef TM_QUAD
+#undef TM_ROW
+#undef TM_SCALE
+}
 #elif defined(TOKENMILL_AVX2_PAIRS)
 // AVX2: 32 bytes of a strip's row (8 columns' 4 bytes) split into 16-bit lanes, column c's two in lanes
 // 2c and 2c + 1, in the order of x's q (pair_quads): int8 codes' even bytes (an AND: k 0 and 2), then
@@ -396,7 +491,16 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
   const uint8_t* strip = B.strip(n);
   std::fill(out[0], out[0] + R * kStrip, 0.f);
   for (int64_t w = 0; w < windows; ++w) {
-#if defined(TOKENMILL_AVX2_PAIRS)
+#if defined(TOKENMILL_VNNI)
+    if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
+      const int64_t at = rows.at(m0, w);
+      const WindowRows window{rows.sum_hi.data() + at, rows.sum_lo.data() + at, rows.step.data() + at,
+                              B.scale + w * B.N + n};
+      window_6x32(strip + (w * wsz / kQuad) * kQuadRowBytes, rows.hi.data() + m0 * K + w * wsz,
+                  rows.lo.data() + m0 * K + w * wsz, K, wsz / kQuad, window, out[0]);
+      continue;
+    }
+#elif defined(TOKENMILL_AVX2_PAIRS)
     if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
       for (int g = 0; g < kStrip / 16; ++g)
         window_5x16(strip + (w * wsz / kQuad) * kQuadRowBytes + g * 16 * kQuad, rows.q.data() + m0 * K + w * wsz, K,
