@@ -228,99 +228,198 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
   }
 }
 
-// dot_strip's full int8 tiles on VNNI, one window of them: 6 rows of x (hi and lo from `hi` and `lo` on,
-// rows K apart) times a quad strip's 32 columns (`row`: the window's first row of it) over `quads` rows of
-// the strip, the exact sums (kSplit * (hi's less 128 * sum(hi)) + lo's less 128 * sum(lo)) scaled into
-// out's float32 rows (128 bytes apart) as scale_window does. `rows`: the six rows' window sums of hi and
-// of lo and their steps (from row 0's on), and the columns' scales. One asm loop: 24 sums (zmm0-23), a
-// row of the strip (zmm24-25) and a broadcast quad of x. (As intrinsics, GCC copied the sums from
-// register to register and to the stack on every pass: 65% of W1's time, slower than the float32 path
-// on an AMD Zen 5.)
-struct WindowRows {
-  const int32_t* sum_hi;
-  const int32_t* sum_lo;
+// dot_strip's full tiles on VNNI, one window of them: 6 rows of x (hi and lo from `hi` and `lo` on, rows
+// K apart) times a strip's 32 columns (`row`: the window's first row of it) over `rows` of the strip, the
+// exact sums (int8 codes: kSplit * (hi's less 128 * sum(hi)) + lo's less 128 * sum(lo); 4-bit codes:
+// kSplit * hi's + lo's) scaled into out's float32 rows (128 bytes apart) as scale_window does (4-bit codes:
+// plus the offsets times the window's sum of q). `sums`: the six rows' window sums and steps (from row 0's
+// on), the columns' scales and offsets. One asm loop: 24 sums (zmm0-23), a row of the strip (zmm24-25; 4-bit
+// codes: its low and high nibbles, zmm24-27) and a broadcast quad of x. (As intrinsics, GCC copied the sums
+// from register to register and to the stack on every pass: 65% of W1's time with `w8a16_int`, slower
+// than the float32 path on an AMD Zen 5.)
+struct WindowSums {
+  const int32_t* sum_hi;  // int8 codes
+  const int32_t* sum_lo;  // int8 codes
   const float* step;
   const float* scale;
+  const int32_t* sum_q;   // 4-bit codes
+  const float* offset;    // 4-bit codes
 };
 
-TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* lo, int64_t K, int64_t quads,
-                           const WindowRows& rows, float* out) {
+template <bool nibbles>
+TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* lo, int64_t K, int64_t rows,
+                           const WindowSums& sums, float* out) {
   static const int32_t kSplitConst = kSplit;
+  static const int32_t kLowNibbles = 0x0f0f0f0f;
   const int8_t* hi3 = hi + 3 * K;
   const int8_t* lo3 = lo + 3 * K;
-#define TM_QUAD(X, A, B)                 \
-  "vpbroadcastd " X ", %%zmm26\n\t"      \
-  "vpdpbusd %%zmm26, %%zmm24, " A "\n\t" \
-  "vpdpbusd %%zmm26, %%zmm25, " B "\n\t"
-#define TM_ROW(H, L, A, B, C, D) TM_QUAD(H, A, B) TM_QUAD(L, C, D)
-#define TM_SCALE(I, Y, Y2, A, B, C, D)               \
-  "vpbroadcastd " I "(%[h]), %%zmm26\n\t"            \
-  "vpslld $7, %%zmm26, %%zmm26\n\t"                  \
-  "vpsubd %%zmm26, " A ", " A "\n\t"                 \
-  "vpsubd %%zmm26, " B ", " B "\n\t"                 \
-  "vpbroadcastd " I "(%[l]), %%zmm26\n\t"            \
-  "vpslld $7, %%zmm26, %%zmm26\n\t"                  \
-  "vpsubd %%zmm26, " C ", " C "\n\t"                 \
-  "vpsubd %%zmm26, " D ", " D "\n\t"                 \
-  "vpmulld %%zmm28, " A ", " A "\n\t"                \
-  "vpmulld %%zmm28, " B ", " B "\n\t"                \
-  "vpaddd " C ", " A ", " A "\n\t"                   \
-  "vpaddd " D ", " B ", " B "\n\t"                   \
-  "vcvtdq2ps " A ", " A "\n\t"                       \
-  "vcvtdq2ps " B ", " B "\n\t"                       \
-  "vbroadcastss " I "(%[h3]), %%zmm26\n\t"           \
-  "vmulps (%[l3]), %%zmm26, %%zmm27\n\t"             \
-  "vfmadd213ps " Y "(%[out]), %%zmm27, " A "\n\t"    \
-  "vmovups " A ", " Y "(%[out])\n\t"                 \
-  "vmulps 64(%[l3]), %%zmm26, %%zmm27\n\t"           \
-  "vfmadd213ps " Y2 "(%[out]), %%zmm27, " B "\n\t"   \
+#define TM_QUAD(X, U, V, A, B)           \
+  "vpbroadcastd " X ", %%zmm28\n\t"      \
+  "vpdpbusd %%zmm28, " U ", " A "\n\t"   \
+  "vpdpbusd %%zmm28, " V ", " B "\n\t"
+  // one row of x: int8 codes, a quad of hi and of lo; 4-bit codes, two of each (k 0-3: the low nibbles)
+#define TM_ROW(H, L, A, B, C, D) TM_QUAD(H, "%%zmm24", "%%zmm25", A, B) TM_QUAD(L, "%%zmm24", "%%zmm25", C, D)
+#define TM_NIBBLE_ROW(H, H4, L, L4, A, B, C, D) \
+  TM_ROW(H, L, A, B, C, D) TM_QUAD(H4, "%%zmm26", "%%zmm27", A, B) TM_QUAD(L4, "%%zmm26", "%%zmm27", C, D)
+#define TM_ZERO_SUMS                                                                                     \
+  "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"                                                                    \
+  "vmovdqa64 %%zmm0, %%zmm1\n\t" "vmovdqa64 %%zmm0, %%zmm2\n\t" "vmovdqa64 %%zmm0, %%zmm3\n\t"           \
+  "vmovdqa64 %%zmm0, %%zmm4\n\t" "vmovdqa64 %%zmm0, %%zmm5\n\t" "vmovdqa64 %%zmm0, %%zmm6\n\t"           \
+  "vmovdqa64 %%zmm0, %%zmm7\n\t" "vmovdqa64 %%zmm0, %%zmm8\n\t" "vmovdqa64 %%zmm0, %%zmm9\n\t"           \
+  "vmovdqa64 %%zmm0, %%zmm10\n\t" "vmovdqa64 %%zmm0, %%zmm11\n\t" "vmovdqa64 %%zmm0, %%zmm12\n\t"        \
+  "vmovdqa64 %%zmm0, %%zmm13\n\t" "vmovdqa64 %%zmm0, %%zmm14\n\t" "vmovdqa64 %%zmm0, %%zmm15\n\t"        \
+  "vmovdqa64 %%zmm0, %%zmm16\n\t" "vmovdqa64 %%zmm0, %%zmm17\n\t" "vmovdqa64 %%zmm0, %%zmm18\n\t"        \
+  "vmovdqa64 %%zmm0, %%zmm19\n\t" "vmovdqa64 %%zmm0, %%zmm20\n\t" "vmovdqa64 %%zmm0, %%zmm21\n\t"        \
+  "vmovdqa64 %%zmm0, %%zmm22\n\t" "vmovdqa64 %%zmm0, %%zmm23\n\t"
+  // row I's sums (zmm A, B: hi's; C, D: lo's) into out's row at byte Y, Y2; %[h3]: steps, %[l3]: scales;
+  // int8 codes: %[h], %[l]: sums of hi and lo; 4-bit codes: %[h]: sums of q, %[l]: offsets
+#define TM_INT8_OFFSETS(I, A, B, C, D)                 \
+  "vpbroadcastd " I "(%[h]), %%zmm26\n\t"              \
+  "vpslld $7, %%zmm26, %%zmm26\n\t"                    \
+  "vpsubd %%zmm26, " A ", " A "\n\t"                   \
+  "vpsubd %%zmm26, " B ", " B "\n\t"                   \
+  "vpbroadcastd " I "(%[l]), %%zmm26\n\t"              \
+  "vpslld $7, %%zmm26, %%zmm26\n\t"                    \
+  "vpsubd %%zmm26, " C ", " C "\n\t"                   \
+  "vpsubd %%zmm26, " D ", " D "\n\t"
+#define TM_SUMS(A, B, C, D)                            \
+  "vpmulld %%zmm28, " A ", " A "\n\t"                  \
+  "vpmulld %%zmm28, " B ", " B "\n\t"                  \
+  "vpaddd " C ", " A ", " A "\n\t"                     \
+  "vpaddd " D ", " B ", " B "\n\t"                     \
+  "vcvtdq2ps " A ", " A "\n\t"                         \
+  "vcvtdq2ps " B ", " B "\n\t"
+#define TM_SCALE(I, Y, Y2, A, B)                       \
+  "vbroadcastss " I "(%[h3]), %%zmm26\n\t"             \
+  "vmulps (%[l3]), %%zmm26, %%zmm27\n\t"               \
+  "vfmadd213ps " Y "(%[out]), %%zmm27, " A "\n\t"      \
+  "vmovups " A ", " Y "(%[out])\n\t"                   \
+  "vmulps 64(%[l3]), %%zmm26, %%zmm27\n\t"             \
+  "vfmadd213ps " Y2 "(%[out]), %%zmm27, " B "\n\t"     \
   "vmovups " B ", " Y2 "(%[out])\n\t"
-  asm volatile(
-      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
-      "vmovdqa64 %%zmm0, %%zmm1\n\t" "vmovdqa64 %%zmm0, %%zmm2\n\t" "vmovdqa64 %%zmm0, %%zmm3\n\t"
-      "vmovdqa64 %%zmm0, %%zmm4\n\t" "vmovdqa64 %%zmm0, %%zmm5\n\t" "vmovdqa64 %%zmm0, %%zmm6\n\t"
-      "vmovdqa64 %%zmm0, %%zmm7\n\t" "vmovdqa64 %%zmm0, %%zmm8\n\t" "vmovdqa64 %%zmm0, %%zmm9\n\t"
-      "vmovdqa64 %%zmm0, %%zmm10\n\t" "vmovdqa64 %%zmm0, %%zmm11\n\t" "vmovdqa64 %%zmm0, %%zmm12\n\t"
-      "vmovdqa64 %%zmm0, %%zmm13\n\t" "vmovdqa64 %%zmm0, %%zmm14\n\t" "vmovdqa64 %%zmm0, %%zmm15\n\t"
-      "vmovdqa64 %%zmm0, %%zmm16\n\t" "vmovdqa64 %%zmm0, %%zmm17\n\t" "vmovdqa64 %%zmm0, %%zmm18\n\t"
-      "vmovdqa64 %%zmm0, %%zmm19\n\t" "vmovdqa64 %%zmm0, %%zmm20\n\t" "vmovdqa64 %%zmm0, %%zmm21\n\t"
-      "vmovdqa64 %%zmm0, %%zmm22\n\t" "vmovdqa64 %%zmm0, %%zmm23\n\t"
-      "1:\n\t"
-      "vmovdqu64 (%[row]), %%zmm24\n\t"
-      "vmovdqu64 64(%[row]), %%zmm25\n\t"
-      TM_ROW("(%[h])", "(%[l])", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
-      TM_ROW("(%[h], %[ld])", "(%[l], %[ld])", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
-      TM_ROW("(%[h], %[ld], 2)", "(%[l], %[ld], 2)", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
-      TM_ROW("(%[h3])", "(%[l3])", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
-      TM_ROW("(%[h3], %[ld])", "(%[l3], %[ld])", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
-      TM_ROW("(%[h3], %[ld], 2)", "(%[l3], %[ld], 2)", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
-      "add $4, %[h]\n\t"
-      "add $4, %[l]\n\t"
-      "add $4, %[h3]\n\t"
-      "add $4, %[l3]\n\t"
-      "add $128, %[row]\n\t"
-      "dec %[n]\n\t"
-      "jnz 1b\n\t"
-      // the loop's pointers are free now: the window's sums of hi and lo, steps and scales
-      "mov 0(%[rows]), %[h]\n\t"
-      "mov 8(%[rows]), %[l]\n\t"
-      "mov 16(%[rows]), %[h3]\n\t"
-      "mov 24(%[rows]), %[l3]\n\t"
-      "vpbroadcastd %[split], %%zmm28\n\t"
-      TM_SCALE("0", "0", "64", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
-      TM_SCALE("4", "128", "192", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
-      TM_SCALE("8", "256", "320", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
-      TM_SCALE("12", "384", "448", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
-      TM_SCALE("16", "512", "576", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
-      TM_SCALE("20", "640", "704", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
-      : [h] "+r"(hi), [l] "+r"(lo), [h3] "+r"(hi3), [l3] "+r"(lo3), [row] "+r"(row), [n] "+r"(quads)
-      : [ld] "r"(K), [rows] "r"(&rows), [out] "r"(out), [split] "m"(kSplitConst)
-      : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
-        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22",
-        "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28");
+#define TM_NIBBLE_SCALE(I, Y, Y2, A, B)                \
+  "vbroadcastss " I "(%[h3]), %%zmm26\n\t"             \
+  "vpbroadcastd " I "(%[h]), %%zmm29\n\t"              \
+  "vcvtdq2ps %%zmm29, %%zmm29\n\t"                     \
+  "vmulps (%[l3]), %%zmm26, %%zmm27\n\t"               \
+  "vfmadd213ps " Y "(%[out]), %%zmm27, " A "\n\t"      \
+  "vmulps (%[l]), %%zmm26, %%zmm27\n\t"                \
+  "vfmadd231ps %%zmm29, %%zmm27, " A "\n\t"            \
+  "vmovups " A ", " Y "(%[out])\n\t"                   \
+  "vmulps 64(%[l3]), %%zmm26, %%zmm27\n\t"             \
+  "vfmadd213ps " Y2 "(%[out]), %%zmm27, " B "\n\t"     \
+  "vmulps 64(%[l]), %%zmm26, %%zmm27\n\t"              \
+  "vfmadd231ps %%zmm29, %%zmm27, " B "\n\t"            \
+  "vmovups " B ", " Y2 "(%[out])\n\t"
+#define TM_OPERANDS                                                                                             \
+  : [h] "+r"(hi), [l] "+r"(lo), [h3] "+r"(hi3), [l3] "+r"(lo3), [row] "+r"(row), [n] "+r"(rows)                \
+  : [ld] "r"(K), [sums] "r"(&sums), [out] "r"(out), [split] "m"(kSplitConst), [low] "m"(kLowNibbles)          \
+  : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",    \
+    "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", \
+    "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29"
+  if constexpr (!nibbles) {
+    asm volatile(
+        TM_ZERO_SUMS
+        "1:\n\t"
+        "vmovdqu64 (%[row]), %%zmm24\n\t"
+        "vmovdqu64 64(%[row]), %%zmm25\n\t"
+        TM_ROW("(%[h])", "(%[l])", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+        TM_ROW("(%[h], %[ld])", "(%[l], %[ld])", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+        TM_ROW("(%[h], %[ld], 2)", "(%[l], %[ld], 2)", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+        TM_ROW("(%[h3])", "(%[l3])", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+        TM_ROW("(%[h3], %[ld])", "(%[l3], %[ld])", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+        TM_ROW("(%[h3], %[ld], 2)", "(%[l3], %[ld], 2)", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+        "add $4, %[h]\n\t"
+        "add $4, %[l]\n\t"
+        "add $4, %[h3]\n\t"
+        "add $4, %[l3]\n\t"
+        "add $128, %[row]\n\t"
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        // the loop's pointers are free now: the window's sums of hi and lo, steps and scales
+        "mov 0(%[sums]), %[h]\n\t"
+        "mov 8(%[sums]), %[l]\n\t"
+        "mov 16(%[sums]), %[h3]\n\t"
+        "mov 24(%[sums]), %[l3]\n\t"
+        "vpbroadcastd %[split], %%zmm28\n\t"
+        TM_INT8_OFFSETS("0", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+        TM_SUMS("%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+        TM_SCALE("0", "0", "64", "%%zmm0", "%%zmm1")
+        TM_INT8_OFFSETS("4", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+        TM_SUMS("%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+        TM_SCALE("4", "128", "192", "%%zmm4", "%%zmm5")
+        TM_INT8_OFFSETS("8", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+        TM_SUMS("%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+        TM_SCALE("8", "256", "320", "%%zmm8", "%%zmm9")
+        TM_INT8_OFFSETS("12", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+        TM_SUMS("%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+        TM_SCALE("12", "384", "448", "%%zmm12", "%%zmm13")
+        TM_INT8_OFFSETS("16", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+        TM_SUMS("%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+        TM_SCALE("16", "512", "576", "%%zmm16", "%%zmm17")
+        TM_INT8_OFFSETS("20", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+        TM_SUMS("%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+        TM_SCALE("20", "640", "704", "%%zmm20", "%%zmm21")
+        TM_OPERANDS);
+  } else {
+    asm volatile(
+        TM_ZERO_SUMS
+        "vpbroadcastd %[low], %%zmm29\n\t"
+        "1:\n\t"
+        "vmovdqu64 (%[row]), %%zmm24\n\t"
+        "vmovdqu64 64(%[row]), %%zmm25\n\t"
+        "vpsrlw $4, %%zmm24, %%zmm26\n\t"
+        "vpsrlw $4, %%zmm25, %%zmm27\n\t"
+        "vpandd %%zmm29, %%zmm24, %%zmm24\n\t"
+        "vpandd %%zmm29, %%zmm25, %%zmm25\n\t"
+        "vpandd %%zmm29, %%zmm26, %%zmm26\n\t"
+        "vpandd %%zmm29, %%zmm27, %%zmm27\n\t"
+        TM_NIBBLE_ROW("(%[h])", "4(%[h])", "(%[l])", "4(%[l])", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+        TM_NIBBLE_ROW("(%[h], %[ld])", "4(%[h], %[ld])", "(%[l], %[ld])", "4(%[l], %[ld])",
+                      "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+        TM_NIBBLE_ROW("(%[h], %[ld], 2)", "4(%[h], %[ld], 2)", "(%[l], %[ld], 2)", "4(%[l], %[ld], 2)",
+                      "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+        TM_NIBBLE_ROW("(%[h3])", "4(%[h3])", "(%[l3])", "4(%[l3])", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+        TM_NIBBLE_ROW("(%[h3], %[ld])", "4(%[h3], %[ld])", "(%[l3], %[ld])", "4(%[l3], %[ld])",
+                      "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+        TM_NIBBLE_ROW("(%[h3], %[ld], 2)", "4(%[h3], %[ld], 2)", "(%[l3], %[ld], 2)", "4(%[l3], %[ld], 2)",
+                      "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+        "add $8, %[h]\n\t"
+        "add $8, %[l]\n\t"
+        "add $8, %[h3]\n\t"
+        "add $8, %[l3]\n\t"
+        "add $128, %[row]\n\t"
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        // the loop's pointers are free now: the window's sums of q, offsets, steps and scales
+        "mov 32(%[sums]), %[h]\n\t"
+        "mov 40(%[sums]), %[l]\n\t"
+        "mov 16(%[sums]), %[h3]\n\t"
+        "mov 24(%[sums]), %[l3]\n\t"
+        "vpbroadcastd %[split], %%zmm28\n\t"
+        TM_SUMS("%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
+        TM_NIBBLE_SCALE("0", "0", "64", "%%zmm0", "%%zmm1")
+        TM_SUMS("%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
+        TM_NIBBLE_SCALE("4", "128", "192", "%%zmm4", "%%zmm5")
+        TM_SUMS("%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
+        TM_NIBBLE_SCALE("8", "256", "320", "%%zmm8", "%%zmm9")
+        TM_SUMS("%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
+        TM_NIBBLE_SCALE("12", "384", "448", "%%zmm12", "%%zmm13")
+        TM_SUMS("%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
+        TM_NIBBLE_SCALE("16", "512", "576", "%%zmm16", "%%zmm17")
+        TM_SUMS("%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
+        TM_NIBBLE_SCALE("20", "640", "704", "%%zmm20", "%%zmm21")
+        TM_OPERANDS);
+  }
 #undef TM_QUAD
 #undef TM_ROW
+#undef TM_NIBBLE_ROW
+#undef TM_ZERO_SUMS
+#undef TM_INT8_OFFSETS
+#undef TM_SUMS
 #undef TM_SCALE
+#undef TM_NIBBLE_SCALE
+#undef TM_OPERANDS
 }
 #elif defined(TOKENMILL_AVX2_PAIRS)
 // AVX2: 32 bytes of a strip's row (8 columns' 4 bytes) split into 16-bit lanes, column c's two in lanes
@@ -492,12 +591,14 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
   std::fill(out[0], out[0] + R * kStrip, 0.f);
   for (int64_t w = 0; w < windows; ++w) {
 #if defined(TOKENMILL_VNNI)
-    if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
+    if constexpr (R == kDotTileRows) {  // full tiles: summed and scaled in one asm
+      constexpr int64_t k_per_row = nibbles ? 2 * kQuad : kQuad;
       const int64_t at = rows.at(m0, w);
-      const WindowRows window{rows.sum_hi.data() + at, rows.sum_lo.data() + at, rows.step.data() + at,
-                              B.scale + w * B.N + n};
-      window_6x32(strip + (w * wsz / kQuad) * kQuadRowBytes, rows.hi.data() + m0 * K + w * wsz,
-                  rows.lo.data() + m0 * K + w * wsz, K, wsz / kQuad, window, out[0]);
+      const WindowSums window{rows.sum_hi.data() + at, rows.sum_lo.data() + at, rows.step.data() + at,
+                              B.scale + w * B.N + n, rows.sum_q.data() + at,
+                              nibbles ? B.offset + w * B.N + n : nullptr};
+      window_6x32<nibbles>(strip + (w * wsz / k_per_row) * kQuadRowBytes, rows.hi.data() + m0 * K + w * wsz,
+                           rows.lo.data() + m0 * K + w * wsz, K, wsz / k_per_row, window, out[0]);
       continue;
     }
 #elif defined(TOKENMILL_AVX2_PAIRS)
