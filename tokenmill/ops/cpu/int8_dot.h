@@ -311,6 +311,16 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
   "vmulps 64(%[l]), %%zmm26, %%zmm27\n\t"              \
   "vfmadd231ps %%zmm29, %%zmm27, " B "\n\t"            \
   "vmovups " B ", " Y2 "(%[out])\n\t"
+#define TM_INT8_OUT(I, Y, Y2, A, B, C, D) TM_INT8_OFFSETS(I, A, B, C, D) TM_SUMS(A, B, C, D) TM_SCALE(I, Y, Y2, A, B)
+#define TM_NIBBLE_OUT(I, Y, Y2, A, B, C, D) TM_SUMS(A, B, C, D) TM_NIBBLE_SCALE(I, Y, Y2, A, B)
+  // the six rows: row i's window sums and step at byte 4i, its outputs at 128i, its sums in zmm 4i to 4i + 3
+#define TM_EVERY_ROW(OUT)                                                      \
+  OUT("0", "0", "64", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")                   \
+  OUT("4", "128", "192", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")                \
+  OUT("8", "256", "320", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")              \
+  OUT("12", "384", "448", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")           \
+  OUT("16", "512", "576", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")           \
+  OUT("20", "640", "704", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
 #define TM_OPERANDS                                                                                             \
   : [h] "+r"(hi), [l] "+r"(lo), [h3] "+r"(hi3), [l3] "+r"(lo3), [row] "+r"(row), [n] "+r"(rows)                \
   : [ld] "r"(K), [sums] "r"(&sums), [out] "r"(out), [split] "m"(kSplitConst), [low] "m"(kLowNibbles)          \
@@ -342,24 +352,7 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
         "mov 16(%[sums]), %[h3]\n\t"
         "mov 24(%[sums]), %[l3]\n\t"
         "vpbroadcastd %[split], %%zmm28\n\t"
-        TM_INT8_OFFSETS("0", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
-        TM_SUMS("%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
-        TM_SCALE("0", "0", "64", "%%zmm0", "%%zmm1")
-        TM_INT8_OFFSETS("4", "%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
-        TM_SUMS("%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
-        TM_SCALE("4", "128", "192", "%%zmm4", "%%zmm5")
-        TM_INT8_OFFSETS("8", "%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
-        TM_SUMS("%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
-        TM_SCALE("8", "256", "320", "%%zmm8", "%%zmm9")
-        TM_INT8_OFFSETS("12", "%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
-        TM_SUMS("%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
-        TM_SCALE("12", "384", "448", "%%zmm12", "%%zmm13")
-        TM_INT8_OFFSETS("16", "%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
-        TM_SUMS("%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
-        TM_SCALE("16", "512", "576", "%%zmm16", "%%zmm17")
-        TM_INT8_OFFSETS("20", "%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
-        TM_SUMS("%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
-        TM_SCALE("20", "640", "704", "%%zmm20", "%%zmm21")
+        TM_EVERY_ROW(TM_INT8_OUT)
         TM_OPERANDS);
   } else {
     asm volatile(
@@ -397,18 +390,7 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
         "mov 16(%[sums]), %[h3]\n\t"
         "mov 24(%[sums]), %[l3]\n\t"
         "vpbroadcastd %[split], %%zmm28\n\t"
-        TM_SUMS("%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")
-        TM_NIBBLE_SCALE("0", "0", "64", "%%zmm0", "%%zmm1")
-        TM_SUMS("%%zmm4", "%%zmm5", "%%zmm6", "%%zmm7")
-        TM_NIBBLE_SCALE("4", "128", "192", "%%zmm4", "%%zmm5")
-        TM_SUMS("%%zmm8", "%%zmm9", "%%zmm10", "%%zmm11")
-        TM_NIBBLE_SCALE("8", "256", "320", "%%zmm8", "%%zmm9")
-        TM_SUMS("%%zmm12", "%%zmm13", "%%zmm14", "%%zmm15")
-        TM_NIBBLE_SCALE("12", "384", "448", "%%zmm12", "%%zmm13")
-        TM_SUMS("%%zmm16", "%%zmm17", "%%zmm18", "%%zmm19")
-        TM_NIBBLE_SCALE("16", "512", "576", "%%zmm16", "%%zmm17")
-        TM_SUMS("%%zmm20", "%%zmm21", "%%zmm22", "%%zmm23")
-        TM_NIBBLE_SCALE("20", "640", "704", "%%zmm20", "%%zmm21")
+        TM_EVERY_ROW(TM_NIBBLE_OUT)
         TM_OPERANDS);
   }
 #undef TM_QUAD
@@ -419,6 +401,9 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
 #undef TM_SUMS
 #undef TM_SCALE
 #undef TM_NIBBLE_SCALE
+#undef TM_INT8_OUT
+#undef TM_NIBBLE_OUT
+#undef TM_EVERY_ROW
 #undef TM_OPERANDS
 }
 #elif defined(TOKENMILL_AVX2_PAIRS)
