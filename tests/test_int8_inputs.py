@@ -159,8 +159,9 @@ def test_windows_too_long_for_int32_sums_take_the_reference(monkeypatch):
 _BUILD_CASES = [(1, 576, 96, 64, False), (2, 576, 96, 64, False), (3, 576, 96, 64, False), (4, 576, 96, 64, False),
                 (11, 576, 96, 64, False), (3, 1024, 64, 512, False), (1, 320, 64, 32, True), (5, 320, 64, 32, True),
                 (13, 320, 64, 32, True),
-                # full int8 tiles (the asm loops': AVX2's 5 rows, VNNI's 6) over windows of 8 and 128 quads; windows of 24, whose
-                # pairs of q AVX2 reorders past its 16-value vectors
+                # full tiles, which the asm loops take (AVX2: 5 rows of int8 codes; VNNI: 6 rows of int8 or 4-bit
+                # codes), over windows of 8 and 128 quads; windows of 24, whose pairs of q AVX2 reorders past its
+                # 16-value vectors
                 (13, 320, 64, 32, False), (12, 1024, 64, 512, False), (7, 96, 64, 24, False), (6, 96, 64, 24, True)]
 
 # run in a process of its own: python -c _OTHER_BUILD <operands.npz> <the build's ISA flags>
