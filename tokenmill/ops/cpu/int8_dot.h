@@ -107,6 +107,35 @@ TM_INLINE void pair_quads(int16_t* q, int64_t n) {
 }
 #endif
 
+// The largest |v[i]| of n values, 0 if there are none (NaNs are skipped, as std::max skips them)
+TM_INLINE float max_abs(const float* v, int64_t n) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), m);  // NaN: keeps m
+    amax = _mm512_reduce_max_ps(m);
+  }
+#elif defined(__AVX2__)
+  if (n >= 8) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), m);
+    const __m128 four = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    amax = _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+  }
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  return amax;
+}
+
+#if defined(TOKENMILL_VNNI)
+// q's split q = kSplit * hi + lo with hi the nearest integer to q / kSplit, halves away from zero
+TM_INLINE int32_t split_hi(int32_t q) { return q >= 0 ? (q + kSplit / 2) / kSplit : -((kSplit / 2 - q) / kSplit); }
+#endif
+
 // rows [m_begin, m_end) of x [M, K] into `out` (sized by the caller for all M rows)
 static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows& out, int64_t m_begin,
                           int64_t m_end) {
@@ -115,27 +144,52 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
     for (int64_t w = 0; w < windows; ++w) {
       const float* v = x + m * K + w * wsz;
       const int64_t at = out.at(m, w);
-      float amax = 0.f;
-      for (int64_t i = 0; i < wsz; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float amax = max_abs(v, wsz);
       const float step = amax > 0.f ? amax / float(kInt16Steps) : 1.f;
       int32_t sum_q = 0;
+      int64_t i = 0;
 #if defined(TOKENMILL_VNNI)
       int8_t* hi = out.hi.data() + m * K + w * wsz;
       int8_t* lo = out.lo.data() + m * K + w * wsz;
       int32_t sum_hi = 0, sum_lo = 0;
+      {
+        // the loop below, 16 values at a time: the same division, rounding and clamp (a NaN becomes
+        // -kInt16Steps either way), and hi = sign(q) * ((|q| + 127) * 33027 >> 23), which is
+        // sign(q) * ((|q| + 127) / 254) for every |q| <= kInt16Steps (checked exhaustively)
+        static_assert(kSplit == 254 && kInt16Steps == 32258, "the multiplier below divides by 254 up to 32385");
+        const __m512 by = _mm512_set1_ps(step), top = _mm512_set1_ps(float(kInt16Steps));
+        const __m512 bottom = _mm512_set1_ps(-float(kInt16Steps));
+        __m512i q_sums = _mm512_setzero_si512(), hi_sums = q_sums, lo_sums = q_sums;
+        for (; i + 16 <= wsz; i += 16) {
+          const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + i), by),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m512i q = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, bottom), top));
+          const __m512i half_up = _mm512_add_epi32(_mm512_abs_epi32(q), _mm512_set1_epi32(kSplit / 2));
+          const __m512i size = _mm512_srli_epi32(_mm512_mullo_epi32(half_up, _mm512_set1_epi32(33027)), 23);
+          const __m512i h = _mm512_mask_sub_epi32(size, _mm512_cmplt_epi32_mask(q, _mm512_setzero_si512()), _mm512_setzero_si512(), size);
+          const __m512i l = _mm512_sub_epi32(q, _mm512_mullo_epi32(h, _mm512_set1_epi32(kSplit)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(h));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtepi32_epi8(l));
+          q_sums = _mm512_add_epi32(q_sums, q);
+          hi_sums = _mm512_add_epi32(hi_sums, h);
+          lo_sums = _mm512_add_epi32(lo_sums, l);
+        }
+        sum_q = _mm512_reduce_add_epi32(q_sums);
+        sum_hi = _mm512_reduce_add_epi32(hi_sums);
+        sum_lo = _mm512_reduce_add_epi32(lo_sums);
+      }
 #else
       int16_t* qs = out.q.data() + m * K + w * wsz;
 #endif
-      for (int64_t i = 0; i < wsz; ++i) {
+      for (; i < wsz; ++i) {
         // a division, as the jnp reference writes it (XLA may round a quotient to the other integer
         // there, which moves an output by one step of x times the weight: within the tests' bounds)
         const float r = std::min(float(kInt16Steps), std::max(-float(kInt16Steps), std::nearbyint(v[i] / step)));
         const int32_t q = int32_t(r);
         sum_q += q;
 #if defined(TOKENMILL_VNNI)
-        const int32_t h = q >= 0 ? (q + kSplit / 2) / kSplit : -((kSplit / 2 - q) / kSplit);  // nearest
-        hi[i] = int8_t(h);
-        lo[i] = int8_t(q - kSplit * h);
+        hi[i] = int8_t(split_hi(q));
+        lo[i] = int8_t(q - kSplit * hi[i]);
         sum_hi += hi[i];
         sum_lo += lo[i];
 #else
