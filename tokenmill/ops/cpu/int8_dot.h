@@ -65,11 +65,10 @@ constexpr int64_t kMaxIntWindow = 512;  // wsz * kInt16Steps * 127 < 2^31
 
 // x's rows quantized per window: q [M, K] (on VNNI builds split into hi and lo instead; on AVX2 builds
 // each quad's middle two swapped, see pair_quads), with each window's step and sum of q ([K / wsz, M],
-// window-major: a tile's rows side by side; VNNI: the sums of hi and of lo as well)
+// window-major: a tile's rows side by side)
 struct QuantizedRows {
 #if defined(TOKENMILL_VNNI)
   std::vector<int8_t> hi, lo;
-  std::vector<int32_t> sum_hi, sum_lo;
 #else
   std::vector<int16_t> q;
 #endif
@@ -84,8 +83,6 @@ struct QuantizedRows {
 #if defined(TOKENMILL_VNNI)
     hi.resize(M * K);
     lo.resize(M * K);
-    sum_hi.resize(M * (K / wsz));
-    sum_lo.resize(M * (K / wsz));
 #else
     q.resize(M * K);
 #endif
@@ -151,7 +148,6 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
 #if defined(TOKENMILL_VNNI)
       int8_t* hi = out.hi.data() + m * K + w * wsz;
       int8_t* lo = out.lo.data() + m * K + w * wsz;
-      int32_t sum_hi = 0, sum_lo = 0;
       {
         // the loop below, 16 values at a time: the same division, rounding and clamp (a NaN becomes
         // -kInt16Steps either way), and hi = sign(q) * ((|q| + 127) * 33027 >> 23), which is
@@ -159,7 +155,7 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
         static_assert(kSplit == 254 && kInt16Steps == 32258, "the multiplier below divides by 254 up to 32385");
         const __m512 by = _mm512_set1_ps(step), top = _mm512_set1_ps(float(kInt16Steps));
         const __m512 bottom = _mm512_set1_ps(-float(kInt16Steps));
-        __m512i q_sums = _mm512_setzero_si512(), hi_sums = q_sums, lo_sums = q_sums;
+        __m512i q_sums = _mm512_setzero_si512();
         for (; i + 16 <= wsz; i += 16) {
           const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + i), by),
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -171,12 +167,8 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
           _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(h));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtepi32_epi8(l));
           q_sums = _mm512_add_epi32(q_sums, q);
-          hi_sums = _mm512_add_epi32(hi_sums, h);
-          lo_sums = _mm512_add_epi32(lo_sums, l);
         }
         sum_q = _mm512_reduce_add_epi32(q_sums);
-        sum_hi = _mm512_reduce_add_epi32(hi_sums);
-        sum_lo = _mm512_reduce_add_epi32(lo_sums);
       }
 #else
       int16_t* qs = out.q.data() + m * K + w * wsz;
@@ -190,8 +182,6 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
 #if defined(TOKENMILL_VNNI)
         hi[i] = int8_t(split_hi(q));
         lo[i] = int8_t(q - kSplit * hi[i]);
-        sum_hi += hi[i];
-        sum_lo += lo[i];
 #else
         qs[i] = int16_t(q);
 #endif
@@ -199,8 +189,6 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
       out.step[at] = step;
       out.sum_q[at] = sum_q;
 #if defined(TOKENMILL_VNNI)
-      out.sum_hi[at] = sum_hi;
-      out.sum_lo[at] = sum_lo;
 #elif defined(TOKENMILL_AVX2_PAIRS)
       pair_quads(qs, wsz);
 #endif
@@ -275,29 +263,28 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
       _mm512_store_si512(parts[part], acc[i][part][0]);
       _mm512_store_si512(parts[part] + 16, acc[i][part][1]);
     }
-    // the codes' 128: 128 * sum(hi) and 128 * sum(lo) in the window
-    const int64_t at = rows.at(m0 + i, w);
-    const int32_t hi_offset = nibbles ? 0 : 128 * rows.sum_hi[at], lo_offset = nibbles ? 0 : 128 * rows.sum_lo[at];
-    for (int j = 0; j < kStrip; ++j) sums[i][j] = kSplit * (parts[0][j] - hi_offset) + (parts[1][j] - lo_offset);
+    // the codes' 128: 128 * (kSplit * sum(hi) + sum(lo)) = 128 * sum(q) in the window; unsigned, as the
+    // asm's lanes, because kSplit * hi's sum of codes plus 128 may wrap where the exact sum does not
+    const uint32_t offset = nibbles ? 0u : 128u * uint32_t(rows.sum_q[rows.at(m0 + i, w)]);
+    for (int j = 0; j < kStrip; ++j)
+      sums[i][j] = int32_t(uint32_t(kSplit) * uint32_t(parts[0][j]) + uint32_t(parts[1][j]) - offset);
   }
 }
 
 // dot_strip's full tiles on VNNI, one window of them: 6 rows of x (hi and lo from `hi` and `lo` on, rows
 // K apart) times a strip's 32 columns (`row`: the window's first row of it) over `rows` of the strip, the
-// exact sums (int8 codes: kSplit * (hi's less 128 * sum(hi)) + lo's less 128 * sum(lo); 4-bit codes:
-// kSplit * hi's + lo's) scaled into out's float32 rows (128 bytes apart) as scale_window does (4-bit codes:
-// plus the offsets times the window's sum of q). `sums`: the six rows' window sums and steps (from row 0's
-// on), the columns' scales and offsets. One asm loop: 24 sums (zmm0-23), a row of the strip (zmm24-25; 4-bit
+// exact sums (kSplit * hi's + lo's; int8 codes: less 128 * the window's sum of q, wrapping as window_sums
+// does) scaled into out's float32 rows (128 bytes apart) as scale_window does (4-bit codes: plus the
+// offsets times the window's sum of q). `sums`: the six rows' steps and window sums of q (from row 0's on),
+// the columns' scales and offsets. One asm loop: 24 sums (zmm0-23), a row of the strip (zmm24-25; 4-bit
 // codes: its low and high nibbles, zmm24-27) and a broadcast quad of x. (As intrinsics, GCC copied the sums
 // from register to register and to the stack on every pass: 65% of W1's time with `w8a16_int`, slower
 // than the float32 path on an AMD Zen 5.)
 struct WindowSums {
-  const int32_t* sum_hi;  // int8 codes
-  const int32_t* sum_lo;  // int8 codes
   const float* step;
   const float* scale;
-  const int32_t* sum_q;   // 4-bit codes
-  const float* offset;    // 4-bit codes
+  const int32_t* sum_q;
+  const float* offset;  // 4-bit codes
 };
 
 template <bool nibbles>
@@ -325,22 +312,19 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
   "vmovdqa64 %%zmm0, %%zmm16\n\t" "vmovdqa64 %%zmm0, %%zmm17\n\t" "vmovdqa64 %%zmm0, %%zmm18\n\t"        \
   "vmovdqa64 %%zmm0, %%zmm19\n\t" "vmovdqa64 %%zmm0, %%zmm20\n\t" "vmovdqa64 %%zmm0, %%zmm21\n\t"        \
   "vmovdqa64 %%zmm0, %%zmm22\n\t" "vmovdqa64 %%zmm0, %%zmm23\n\t"
-  // row I's sums (zmm A, B: hi's; C, D: lo's) into out's row at byte Y, Y2; %[h3]: steps, %[l3]: scales;
-  // int8 codes: %[h], %[l]: sums of hi and lo; 4-bit codes: %[h]: sums of q, %[l]: offsets
-#define TM_INT8_OFFSETS(I, A, B, C, D)                 \
-  "vpbroadcastd " I "(%[h]), %%zmm26\n\t"              \
-  "vpslld $7, %%zmm26, %%zmm26\n\t"                    \
-  "vpsubd %%zmm26, " A ", " A "\n\t"                   \
-  "vpsubd %%zmm26, " B ", " B "\n\t"                   \
-  "vpbroadcastd " I "(%[l]), %%zmm26\n\t"              \
-  "vpslld $7, %%zmm26, %%zmm26\n\t"                    \
-  "vpsubd %%zmm26, " C ", " C "\n\t"                   \
-  "vpsubd %%zmm26, " D ", " D "\n\t"
-#define TM_SUMS(A, B, C, D)                            \
+  // row I's sums (zmm A, B: hi's; C, D: lo's) into out's row at byte Y, Y2; %[h]: sums of q, %[h3]: steps,
+  // %[l3]: scales, %[l]: offsets (4-bit codes)
+#define TM_COMBINE(A, B, C, D)                         \
   "vpmulld %%zmm28, " A ", " A "\n\t"                  \
   "vpmulld %%zmm28, " B ", " B "\n\t"                  \
   "vpaddd " C ", " A ", " A "\n\t"                     \
-  "vpaddd " D ", " B ", " B "\n\t"                     \
+  "vpaddd " D ", " B ", " B "\n\t"
+#define TM_INT8_OFFSETS(I, A, B)                       \
+  "vpbroadcastd " I "(%[h]), %%zmm26\n\t"              \
+  "vpslld $7, %%zmm26, %%zmm26\n\t"                    \
+  "vpsubd %%zmm26, " A ", " A "\n\t"                   \
+  "vpsubd %%zmm26, " B ", " B "\n\t"
+#define TM_TO_FLOAT(A, B)                              \
   "vcvtdq2ps " A ", " A "\n\t"                         \
   "vcvtdq2ps " B ", " B "\n\t"
 #define TM_SCALE(I, Y, Y2, A, B)                       \
@@ -365,8 +349,9 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
   "vmulps 64(%[l]), %%zmm26, %%zmm27\n\t"              \
   "vfmadd231ps %%zmm29, %%zmm27, " B "\n\t"            \
   "vmovups " B ", " Y2 "(%[out])\n\t"
-#define TM_INT8_OUT(I, Y, Y2, A, B, C, D) TM_INT8_OFFSETS(I, A, B, C, D) TM_SUMS(A, B, C, D) TM_SCALE(I, Y, Y2, A, B)
-#define TM_NIBBLE_OUT(I, Y, Y2, A, B, C, D) TM_SUMS(A, B, C, D) TM_NIBBLE_SCALE(I, Y, Y2, A, B)
+#define TM_INT8_OUT(I, Y, Y2, A, B, C, D) \
+  TM_COMBINE(A, B, C, D) TM_INT8_OFFSETS(I, A, B) TM_TO_FLOAT(A, B) TM_SCALE(I, Y, Y2, A, B)
+#define TM_NIBBLE_OUT(I, Y, Y2, A, B, C, D) TM_COMBINE(A, B, C, D) TM_TO_FLOAT(A, B) TM_NIBBLE_SCALE(I, Y, Y2, A, B)
   // the six rows: row i's window sums and step at byte 4i, its outputs at 128i, its sums in zmm 4i to 4i + 3
 #define TM_EVERY_ROW(OUT)                                                      \
   OUT("0", "0", "64", "%%zmm0", "%%zmm1", "%%zmm2", "%%zmm3")                   \
@@ -400,11 +385,10 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
         "add $128, %[row]\n\t"
         "dec %[n]\n\t"
         "jnz 1b\n\t"
-        // the loop's pointers are free now: the window's sums of hi and lo, steps and scales
-        "mov 0(%[sums]), %[h]\n\t"
-        "mov 8(%[sums]), %[l]\n\t"
-        "mov 16(%[sums]), %[h3]\n\t"
-        "mov 24(%[sums]), %[l3]\n\t"
+        // the loop's pointers are free now: the window's sums of q, steps and scales
+        "mov 16(%[sums]), %[h]\n\t"
+        "mov 0(%[sums]), %[h3]\n\t"
+        "mov 8(%[sums]), %[l3]\n\t"
         "vpbroadcastd %[split], %%zmm28\n\t"
         TM_EVERY_ROW(TM_INT8_OUT)
         TM_OPERANDS);
@@ -439,10 +423,10 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
         "dec %[n]\n\t"
         "jnz 1b\n\t"
         // the loop's pointers are free now: the window's sums of q, offsets, steps and scales
-        "mov 32(%[sums]), %[h]\n\t"
-        "mov 40(%[sums]), %[l]\n\t"
-        "mov 16(%[sums]), %[h3]\n\t"
-        "mov 24(%[sums]), %[l3]\n\t"
+        "mov 16(%[sums]), %[h]\n\t"
+        "mov 24(%[sums]), %[l]\n\t"
+        "mov 0(%[sums]), %[h3]\n\t"
+        "mov 8(%[sums]), %[l3]\n\t"
         "vpbroadcastd %[split], %%zmm28\n\t"
         TM_EVERY_ROW(TM_NIBBLE_OUT)
         TM_OPERANDS);
@@ -451,8 +435,9 @@ TM_INLINE void window_6x32(const uint8_t* row, const int8_t* hi, const int8_t* l
 #undef TM_ROW
 #undef TM_NIBBLE_ROW
 #undef TM_ZERO_SUMS
+#undef TM_COMBINE
 #undef TM_INT8_OFFSETS
-#undef TM_SUMS
+#undef TM_TO_FLOAT
 #undef TM_SCALE
 #undef TM_NIBBLE_SCALE
 #undef TM_INT8_OUT
@@ -633,8 +618,7 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
     if constexpr (R == kDotTileRows) {  // full tiles: summed and scaled in one asm
       constexpr int64_t k_per_row = nibbles ? 2 * kQuad : kQuad;
       const int64_t at = rows.at(m0, w);
-      const WindowSums window{rows.sum_hi.data() + at, rows.sum_lo.data() + at, rows.step.data() + at,
-                              B.scale + w * B.N + n, rows.sum_q.data() + at,
+      const WindowSums window{rows.step.data() + at, B.scale + w * B.N + n, rows.sum_q.data() + at,
                               nibbles ? B.offset + w * B.N + n : nullptr};
       window_6x32<nibbles>(strip + (w * wsz / k_per_row) * kQuadRowBytes, rows.hi.data() + m0 * K + w * wsz,
                            rows.lo.data() + m0 * K + w * wsz, K, wsz / k_per_row, window, out[0]);
