@@ -162,7 +162,8 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
           const __m512i q = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, bottom), top));
           const __m512i half_up = _mm512_add_epi32(_mm512_abs_epi32(q), _mm512_set1_epi32(kSplit / 2));
           const __m512i size = _mm512_srli_epi32(_mm512_mullo_epi32(half_up, _mm512_set1_epi32(33027)), 23);
-          const __m512i h = _mm512_mask_sub_epi32(size, _mm512_cmplt_epi32_mask(q, _mm512_setzero_si512()), _mm512_setzero_si512(), size);
+          const __m512i zero = _mm512_setzero_si512();
+          const __m512i h = _mm512_mask_sub_epi32(size, _mm512_cmplt_epi32_mask(q, zero), zero, size);
           const __m512i l = _mm512_sub_epi32(q, _mm512_mullo_epi32(h, _mm512_set1_epi32(kSplit)));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(h));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtepi32_epi8(l));
@@ -188,8 +189,7 @@ static void quantize_rows(int64_t K, int64_t wsz, const float* x, QuantizedRows&
       }
       out.step[at] = step;
       out.sum_q[at] = sum_q;
-#if defined(TOKENMILL_VNNI)
-#elif defined(TOKENMILL_AVX2_PAIRS)
+#if defined(TOKENMILL_AVX2_PAIRS)
       pair_quads(qs, wsz);
 #endif
     }
