@@ -104,26 +104,18 @@ TM_INLINE void pair_quads(int16_t* q, int64_t n) {
 }
 #endif
 
-// The largest |v[i]| of n values, 0 if there are none (NaNs are skipped, as std::max skips them)
+// The largest |v[i]| of n values, 0 if there are none (NaNs are skipped, as std::max skips them), kVW
+// values at a time on gemm.h's vectors (a lane keeps its maximum unless a greater value comes)
 TM_INLINE float max_abs(const float* v, int64_t n) {
-  float amax = 0.f;
+  vf m = {};
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), m);  // NaN: keeps m
-    amax = _mm512_reduce_max_ps(m);
+  for (; i + kVW <= n; i += kVW) {
+    vf a = loadv(v + i);
+    a = a < 0.f ? -a : a;
+    m = a > m ? a : m;
   }
-#elif defined(__AVX2__)
-  if (n >= 8) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 m = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), m);
-    const __m128 four = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
-    amax = _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
-  }
-#endif
+  float amax = 0.f;
+  for (int j = 0; j < kVW; ++j) amax = std::max(amax, m[j]);
   for (; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
   return amax;
 }
