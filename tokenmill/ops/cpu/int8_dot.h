@@ -603,7 +603,7 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
 // `fetch_next` (the first tile of a block of rows, dot_gemm): the next strip's rows of each window are
 // fetched into L2 as this one's are summed, so that the block's tiles over it find it there. Without
 // this, 24% of `dot_strip<6>`'s samples in W1 `w8a16_int` waited on a strip row's first load (AMD Zen 5:
-// 30 layers of projections at 64 rows, 3 alternating pairs, 183-214 -> 232-250 GMAC/s; W1's decode
+// 30 layers of projections at 64 rows, 3 alternating pairs, 212-221 -> 254-290 GMAC/s; W1's decode
 // steps 70-79 -> 63-65 ms).
 template <int R, bool nibbles>
 static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0, int64_t n, float (*out)[kStrip],
