@@ -163,7 +163,8 @@ _BUILD_CASES = [(1, 576, 96, 64, False), (2, 576, 96, 64, False), (3, 576, 96, 6
                 # codes), over windows of 8 and 128 quads; windows of 24, whose pairs of q AVX2 reorders past its
                 # 16-value vectors
                 (13, 320, 64, 32, False), (12, 1024, 64, 512, False), (7, 96, 64, 24, False), (6, 96, 64, 24, True),
-                # two blocks of rows (dot_gemm's 48), each block's first tile fetching the next strip
+                # two blocks of rows (dot_gemm's 48 on VNNI, 40 on AVX2), each block's first tile fetching the
+                # next strip
                 (50, 576, 96, 64, False), (50, 320, 64, 32, True)]
 
 # run in a process of its own: python -c _OTHER_BUILD <operands.npz> <the build's ISA flags>

@@ -598,19 +598,19 @@ TM_INLINE void window_sums(const uint8_t* strip, const QuantizedRows& rows, int6
 
 // Rows [0, R) of x (quantized, from `rows`' row m0) times the strip of columns [n, n + 32), all K,
 // into out: windows in order, each summed in integers and then scaled.
-// (Decoding streams each strip from memory once, and is not prefetched in software: the hardware's
-// prefetchers follow the strips, and each line's PREFETCHT0 ahead cost SmolLM2's decoding about 8%.)
-// `fetch_next` (the first tile of a block of rows, dot_gemm): the next strip's rows of each window are
-// fetched into L2 as this one's are summed, so that the block's tiles over it find it there. Without
-// this, 24% of `dot_strip<6>`'s samples in W1 `w8a16_int` waited on a strip row's first load (AMD Zen 5:
-// 30 layers of projections at 64 rows, 3 alternating pairs, 212-221 -> 254-290 GMAC/s; W1's decode
-// steps 70-79 -> 63-65 ms).
+// (A decode step of up to kGemvRows rows streams each strip from memory once, and is not prefetched in
+// software: the hardware's prefetchers follow the strips, and each line's PREFETCHT0 ahead cost SmolLM2's
+// decoding about 8%.) `fetch_next` (the first tile of a block of more rows, dot_gemm): the next strip's
+// rows of each window are fetched into L2 as this one's are summed, so that the block's tiles over it find
+// it there. Without this, 24% of `dot_strip<6>`'s samples in W1 `w8a16_int` waited on a strip row's first
+// load (AMD Zen 5: 30 layers of projections at 64 rows, 3 alternating pairs, 212-221 -> 254-290 GMAC/s;
+// W1's decode steps 70-79 -> 63-65 ms).
 template <int R, bool nibbles>
 static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0, int64_t n, float (*out)[kStrip],
                       bool fetch_next) {
   const int64_t K = B.K, wsz = B.wsz, windows = K / wsz;
   const uint8_t* strip = B.strip(n);
-  const int64_t window_bytes = wsz / B.k_per_row() * kQuadRowBytes;
+  const int64_t window_rows = wsz / B.k_per_row(), window_bytes = window_rows * kQuadRowBytes;  // of a strip
   const uint8_t* next = fetch_next && n + kStrip < B.N ? B.strip(n + kStrip) : nullptr;
   std::fill(out[0], out[0] + R * kStrip, 0.f);
   for (int64_t w = 0; w < windows; ++w) {
@@ -618,19 +618,18 @@ static void dot_strip(const IntWeights& B, const QuantizedRows& rows, int64_t m0
       for (int64_t b = 0; b < window_bytes; b += 64) __builtin_prefetch(next + w * window_bytes + b, 0, 2);
 #if defined(TOKENMILL_VNNI)
     if constexpr (R == kDotTileRows) {  // full tiles: summed and scaled in one asm
-      constexpr int64_t k_per_row = nibbles ? 2 * kQuad : kQuad;
       const int64_t at = rows.at(m0, w);
       const WindowSums window{rows.step.data() + at, B.scale + w * B.N + n, rows.sum_q.data() + at,
                               nibbles ? B.offset + w * B.N + n : nullptr};
-      window_6x32<nibbles>(strip + (w * wsz / k_per_row) * kQuadRowBytes, rows.hi.data() + m0 * K + w * wsz,
-                           rows.lo.data() + m0 * K + w * wsz, K, wsz / k_per_row, window, out[0]);
+      window_6x32<nibbles>(strip + w * window_bytes, rows.hi.data() + m0 * K + w * wsz,
+                           rows.lo.data() + m0 * K + w * wsz, K, window_rows, window, out[0]);
       continue;
     }
 #elif defined(TOKENMILL_AVX2_PAIRS)
     if constexpr (R == kDotTileRows && !nibbles) {  // full int8 tiles: summed and scaled in one asm
       for (int g = 0; g < kStrip / 16; ++g)
-        window_5x16(strip + (w * wsz / kQuad) * kQuadRowBytes + g * 16 * kQuad, rows.q.data() + m0 * K + w * wsz, K,
-                    wsz / kQuad, rows.sum_q.data() + rows.at(m0, w), rows.step.data() + rows.at(m0, w),
+        window_5x16(strip + w * window_bytes + g * 16 * kQuad, rows.q.data() + m0 * K + w * wsz, K,
+                    window_rows, rows.sum_q.data() + rows.at(m0, w), rows.step.data() + rows.at(m0, w),
                     B.scale + w * B.N + n + g * 16, out[0] + g * 16);
       continue;
     }
